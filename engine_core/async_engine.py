@@ -1,0 +1,148 @@
+"""Drive an LLMEngine from asyncio: the step loop runs in its own thread, so the event loop
+stays free while the model computes, and each request is an async stream of outputs.
+
+Leaving the stream early (the consumer stopped iterating, or its task was cancelled) aborts the
+request; its blocks are free before the next step starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine_core.engine import LLMEngine
+from engine_core.outputs import RequestOutput
+from engine_core.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._thread.start()
+        self.step_listeners: list[Callable[[LLMEngine], None]] = []  # called after each step, in the thread
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one output per generated token; the last has `finish_reason` set."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[request_id] = (loop, outputs)
+        self._submit(lambda: self._add(request_id, prompt, params))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self.engine.abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` in the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # handed back to the caller
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._submit(run)
+        return await future
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    # engine thread
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id not in self._streams:  # the caller already left
+            return
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as exc:
+            self._deliver(request_id, exc)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # its event loop is closed: nobody is listening
+                self.engine.abort(request_id)
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            while True:
+                try:
+                    self._commands.get_nowait()()
+                except queue.Empty:
+                    break
+            if not self.engine.has_unfinished():
+                self._wakeup.wait(0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # fail every request in flight, free their blocks, keep serving
+                for request_id in list(self.engine.seqs):
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, exc)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            for listener in self.step_listeners:
+                listener(self.engine)
+        for request_id in list(self.engine.seqs):
+            self.engine.abort(request_id)
+            self._deliver(request_id, EngineDeadError("the engine shut down"))
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -1,0 +1,180 @@
+"""The synchronous engine: add requests, then `step()` (schedule → run → postprocess) until done."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine_core.block_manager import BlockManager
+from engine_core.config import EngineConfig
+from engine_core.detokenizer import IncrementalDetokenizer
+from engine_core.loader import load_model_args, load_state_dict, load_tokenizer, resolve_model_dir
+from engine_core.model_runner import ModelRunner
+from engine_core.models.llama import LlamaModel
+from engine_core.outputs import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from engine_core.sampler import Sampler
+from engine_core.sampling_params import SamplingParams
+from engine_core.scheduler import ScheduledBatch, Scheduler
+from engine_core.sequence import Sequence
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (empty, too long, bad parameters)."""
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_seqs: int
+    num_tokens: int
+    seconds: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_args = load_model_args(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.max_model_len = min(config.max_model_len or self.model_args.max_position_embeddings,
+                                 self.model_args.max_position_embeddings)
+        self.model = LlamaModel(self.model_args, load_state_dict(self.model_dir), config.torch_dtype(),
+                                self.max_model_len)
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.model.kv_block_bytes(config.block_size))
+        self.model.allocate_kv_cache(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   max(config.max_num_batched_tokens, 1))
+        eos = set(self.model_args.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        self.runner = ModelRunner(self.model, config.block_size, Sampler(self.eos_token_ids))
+        self.seqs: dict[str, Sequence] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self.last_step: StepStats | None = None
+        self.load_seconds = time.perf_counter() - started
+
+    # requests
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> int:
+        """Queue a request; returns its prompt length in tokens. Raises RequestError if it cannot run."""
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        if any(not 0 <= t < self.model_args.vocab_size for t in token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {self.model_args.vocab_size})")
+        total = len(token_ids) + params.max_new_tokens
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens; the model takes at most "
+                               f"{self.max_model_len - 1}")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if min(total, self.max_model_len) > capacity:
+            raise RequestError(f"prompt + max_new_tokens = {total} tokens exceed the KV cache ({capacity} tokens)")
+        seq = Sequence(request_id, token_ids, params, arrival=next(self._arrivals))
+        if not params.greedy:
+            seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
+            seq.generator = torch.Generator().manual_seed(seq.seed)
+        if params.prompt_logprobs and len(token_ids) == 1:
+            seq.prompt_logprobs = []
+        self.seqs[request_id] = seq
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, token_ids, list(params.stop), params.skip_special_tokens, self.special_ids)
+        self.scheduler.add(seq)
+        return len(token_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its blocks are free when this returns."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self._release(seq)
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.detokenizers.pop(seq.request_id, None)
+        self.seqs.pop(seq.request_id, None)
+        self.runner.forget(seq.request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # the step loop
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled, result = self.runner.run(batch)
+        outputs = self.postprocess(batch, sampled, result)
+        self.last_step = StepStats(len(batch.seqs), batch.total_tokens, time.perf_counter() - started)
+        return outputs
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], result: Any) -> list[RequestOutput]:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        outputs = []
+        for i, seq in enumerate(sampled):
+            token = result.token_ids[i]
+            first = seq.num_output_tokens == 0
+            seq.token_ids.append(token)
+            if result.logprobs[i] is not None:
+                seq.output_logprobs.append((result.logprobs[i], result.top_logprobs[i]))
+            outputs.append(self._output(seq, token, result.logprobs[i], result.top_logprobs[i], first))
+        return outputs
+
+    def _output(self, seq: Sequence, token: int, logprob: float | None, top: list, first: bool) -> RequestOutput:
+        p = seq.params
+        detok = self.detokenizers[seq.request_id].step(token)
+        text, reason = detok.text, None
+        if detok.stop_string is not None:
+            reason = FINISH_STOP
+        elif (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            reason = FINISH_EOS
+        elif seq.num_output_tokens >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FINISH_LENGTH
+        if reason is not None and reason != FINISH_STOP:
+            text += self.detokenizers[seq.request_id].flush()
+        output = RequestOutput(
+            request_id=seq.request_id, token_id=token, token_text=detok.token_text, text=text,
+            special=token in self.special_ids, num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens, logprob=logprob, top_logprobs=top,
+            finish_reason=reason, stop_string=detok.stop_string, seed=seq.seed,
+            prompt_logprobs=seq.prompt_logprobs if first else None, num_cached_tokens=seq.num_cached_tokens)
+        if reason is not None:
+            self._release(seq)
+        return output
+
+    # convenience for scripts and tests
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[RequestOutput]]:
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id].append(out)
+        return [results[rid] for rid in ids]

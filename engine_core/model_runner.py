@@ -1,0 +1,94 @@
+"""Build the flat batch for a scheduled step, run the model, and sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_core.attention import AttentionMetadata
+from engine_core.models.llama import LlamaModel
+from engine_core.sampler import SampleResult, Sampler, prompt_logprobs
+from engine_core.scheduler import ScheduledBatch
+from engine_core.sequence import Sequence, TokenLogprob
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]  # row of each sampling sequence's last token
+    sample_seqs: list[Sequence]
+    prompt_rows: dict[int, tuple[int, int]]  # seq index -> rows whose logits score prompt tokens
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, block_size: int, sampler: Sampler) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.sampler = sampler
+        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}  # accumulated over prefill chunks
+
+    def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        prompt_rows: dict[int, tuple[int, int]] = {}
+        for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if seq.wants_prompt_logprobs() and start < seq.num_prompt_tokens - 1:
+                last = min(end, seq.num_prompt_tokens - 1)  # the last prompt token scores nothing
+                prompt_rows[index] = (cu_seqlens[-1], cu_seqlens[-1] + last - start)
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(cu_seqlens[-1] - 1)
+                sample_seqs.append(seq)
+        width = max(len(s.block_table) for s in batch.seqs)
+        block_table = torch.zeros((len(batch.seqs), width), dtype=torch.int32)
+        for i, seq in enumerate(batch.seqs):
+            block_table[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=block_table,
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_k=max(seq_lens),
+            query_lens=list(batch.num_new_tokens),
+            seq_lens_host=seq_lens,
+        )
+        return PreparedBatch(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                             meta, sample_rows, sample_seqs, prompt_rows)
+
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
+        prepared = self.prepare(batch)
+        hidden = self.model.forward(prepared.input_ids, prepared.positions, prepared.meta)
+        for index, (first, last) in prepared.prompt_rows.items():
+            self._score_prompt(batch.seqs[index], self.model.compute_logits(hidden[first:last]))
+        if not prepared.sample_seqs:
+            return [], None
+        logits = self.model.compute_logits(hidden[prepared.sample_rows])
+        return prepared.sample_seqs, self.sampler(logits, prepared.sample_seqs)
+
+    def _score_prompt(self, seq: Sequence, logits: torch.Tensor) -> None:
+        start = seq.num_computed_tokens
+        if start == 0:
+            self._prompt_logprobs[seq.request_id] = []
+        scored = self._prompt_logprobs.setdefault(seq.request_id, [])
+        scored.extend(prompt_logprobs(logits, seq.token_ids[start + 1:start + 1 + logits.shape[0]]))
+        if len(scored) == seq.num_prompt_tokens - 1:
+            seq.prompt_logprobs = self._prompt_logprobs.pop(seq.request_id)
+
+    def forget(self, request_id: str) -> None:
+        self._prompt_logprobs.pop(request_id, None)

@@ -1,0 +1,96 @@
+"""Continuous batching: one token-budget loop per step (vLLM v1's semantics).
+
+There is no prefill or decode phase. Each running sequence is given the tokens it still lacks
+KV for (its whole prompt, a chunk of it, or the one token sampled last step), running sequences
+first, then waiting ones in arrival order. When blocks run out the most recently admitted
+running sequence is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine_core.block_manager import BlockManager
+from engine_core.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens to compute for each sequence this step
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running.pop()  # the last admitted; never one already scheduled
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.allocate(seq, num_new)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                index += 1
+
+        # a step that had to preempt admits nobody new: the pool is already too small
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self.block_manager.match_prefix(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, num_new):
+                break
+            self.block_manager.allocate(seq, num_new)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

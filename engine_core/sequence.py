@@ -1,0 +1,69 @@
+"""A request inside the engine: its tokens, how many have KV computed, and its block table."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int = 0  # monotonic admission order, for first-come-first-served
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    generator: torch.Generator | None = None
+    seed: int | None = None
+    # prompt-token logprobs (TGI decoder_input_details): entry i is the logprob of prompt token i+1
+    prompt_logprobs: list[TokenLogprob] | None = None
+    # per output token: (chosen logprob, top alternatives)
+    output_logprobs: list[tuple[float, list[TokenLogprob]]] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs and self.prompt_logprobs is None
