@@ -30,9 +30,9 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._stopping = False
+        self.step_listeners: list[Callable[[LLMEngine], None]] = []  # called after each step, in the thread
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
-        self.step_listeners: list[Callable[[LLMEngine], None]] = []  # called after each step, in the thread
 
     @property
     def alive(self) -> bool:

@@ -1,0 +1,41 @@
+"""Shared fixtures: the embedded SmolLM2 and tiny random-weight Llama-family models built here."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_core.loader import resolve_model_dir
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    return resolve_model_dir("embedded")
+
+
+def build_tiny_model(dest: Path, tokenizer_dir: Path, architecture: str = "llama", **overrides) -> Path:
+    """A random-weight model of the Llama family, with SmolLM2's tokenizer and vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    settings = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                    initializer_range=0.3, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
+    settings.update(overrides)
+    torch.manual_seed(0)
+    if architecture == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**settings))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**settings))
+    model.save_pretrained(dest)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smollm_dir)
