@@ -168,7 +168,8 @@ class LLMEngine:
 
     # convenience for scripts and tests
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[RequestOutput]]:
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[list[RequestOutput]]:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params_list):

@@ -8,7 +8,7 @@ import torch
 
 from engine_core.attention import AttentionMetadata
 from engine_core.models.llama import LlamaModel
-from engine_core.sampler import SampleResult, Sampler, prompt_logprobs
+from engine_core.sampler import Sampler, SampleResult, prompt_logprobs
 from engine_core.scheduler import ScheduledBatch
 from engine_core.sequence import Sequence, TokenLogprob
 
