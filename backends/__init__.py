@@ -1,0 +1,1 @@
+"""Backends: one interface (`base.Backend`) between the gateway's routes and every serving stack."""

@@ -1,0 +1,175 @@
+"""The one backend interface and the core types that cross it.
+
+Every front door turns its request into a `GenerationRequest`; every backend turns that into an
+async stream of `TokenEvent`s, the last of which carries the finish reason and usage.
+Non-streaming responses are the same stream, aggregated.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import AsyncIterator
+from typing import ClassVar, Protocol, runtime_checkable
+
+import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class GenerationRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    model: str  # the model name the client used (after alias resolution)
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None  # set when the gateway already tokenized the prompt
+    messages: list[ChatMessage] | None = None  # only for backends that take chat natively
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    deadline: float | None = None  # time.monotonic() after which the request times out
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def remaining_seconds(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    token_id: int
+    text: str
+    logprob: float | None
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class TokenEvent(msgspec.Struct, kw_only=True):
+    token_id: int
+    text: str  # output text released with this token; never part of a stop string
+    token_text: str  # the token's own text (TGI's `token.text`)
+    special: bool = False
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] = []
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None
+    usage: Usage | None = None  # on the last event
+    seed: int | None = None
+    prompt_tokens: list[TokenLogprob] | None = None  # on the first event, when prompt_logprobs was asked
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class TokenSpan(msgspec.Struct, frozen=True):
+    id: int
+    text: str
+    start: int  # byte offsets into the input
+    stop: int
+
+
+class BackendInfo(msgspec.Struct, frozen=True, kw_only=True):
+    backend_type: str
+    model_id: str
+    max_model_len: int | None = None
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    accepts_chat_messages: bool = False  # True: send messages; False: the gateway renders the template
+    can_tokenize: bool = True
+
+
+# typed errors; each front door maps them to its own wire shape and status code
+
+
+class BackendError(Exception):
+    kind: ClassVar[str] = "upstream"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BackendValidationError(BackendError):
+    kind = "validation"
+
+
+class BackendOverloadedError(BackendError):
+    kind = "overloaded"
+
+
+class BackendUnavailableError(BackendError):
+    kind = "unavailable"
+
+
+class BackendTimeoutError(BackendError):
+    kind = "timeout"
+
+
+class UpstreamError(BackendError):
+    kind = "upstream"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every backend provides. `Settings` is the msgspec Struct of its config table."""
+
+    type_name: ClassVar[str]
+    Settings: ClassVar[type[msgspec.Struct]]
+    name: str
+
+    async def start(self) -> None:
+        """Connect or load; may take long. `health()` is False until it has finished."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Stream the request's tokens; the last event has `finish_reason` and `usage` set."""
+        ...
+
+    async def tokenize(self, text: str) -> list[TokenSpan]: ...
+
+    async def health(self) -> bool: ...
+
+    def info(self) -> BackendInfo: ...
+
+    async def aclose(self) -> None: ...
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def as_backend_error(exc: BaseException) -> BackendError:
+    return exc if isinstance(exc, BackendError) else UpstreamError(describe(exc))
+
+

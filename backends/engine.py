@@ -1,0 +1,140 @@
+"""The in-process backend: drives engine_core's AsyncEngine in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import ClassVar
+
+import msgspec
+
+from backends.base import (
+    BackendInfo,
+    BackendUnavailableError,
+    BackendValidationError,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+    TokenLogprob,
+    TokenSpan,
+    Usage,
+)
+from engine_core import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, RequestError, SamplingParams
+from engine_core import TokenLogprob as EngineLogprob
+
+
+class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    type: str = "engine"
+    model: str = "embedded"  # "embedded", a local HF directory, or a hub id
+    dtype: str = "float32"
+    kv_cache_mb: int = 512
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = False
+    num_threads: int | None = None
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
+                            kv_cache_bytes=self.kv_cache_mb * 1024**2, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                            enable_prefix_caching=self.enable_prefix_caching, num_threads=self.num_threads)
+
+
+class EngineBackend:
+    type_name: ClassVar[str] = "engine"
+    Settings: ClassVar[type[msgspec.Struct]] = EngineSettings
+
+    def __init__(self, name: str, settings: EngineSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self.engine: AsyncEngine | None = None
+        self.load_error: str | None = None
+        self.load_seconds: float | None = None
+
+    async def start(self) -> None:
+        started = time.perf_counter()
+        try:
+            llm = await asyncio.to_thread(LLMEngine, self.settings.engine_config())
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            raise
+        self.engine = AsyncEngine(llm)
+        self.load_seconds = time.perf_counter() - started
+
+    @property
+    def llm(self) -> LLMEngine:
+        if self.engine is None:
+            raise BackendUnavailableError(self.load_error or "the model is still loading")
+        return self.engine.engine
+
+    async def health(self) -> bool:
+        return self.engine is not None and self.engine.alive
+
+    def info(self) -> BackendInfo:
+        if self.engine is None:
+            return BackendInfo(backend_type=self.type_name, model_id=self.settings.model)
+        llm = self.engine.engine
+        tok = llm.tokenizer
+        return BackendInfo(backend_type=self.type_name, model_id=llm.model_dir.name, max_model_len=llm.max_model_len,
+                           chat_template=tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
+        encoding = self.llm.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        byte_offsets = _char_to_byte_offsets(text)
+        return [TokenSpan(id=t, text=text[s:e], start=byte_offsets[s], stop=byte_offsets[e])
+                for t, (s, e) in zip(encoding["input_ids"], encoding["offset_mapping"])]
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if self.engine is None or not self.engine.alive:
+            raise BackendUnavailableError(self.load_error or "the model is not loaded")
+        params = SamplingParams(
+            temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, min_p=request.min_p,
+            typical_p=request.typical_p, repetition_penalty=request.repetition_penalty,
+            frequency_penalty=request.frequency_penalty, presence_penalty=request.presence_penalty,
+            seed=request.seed, max_new_tokens=request.max_new_tokens, min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos, stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
+            logprobs=request.top_logprobs if (request.logprobs or request.top_logprobs) else None,
+            prompt_logprobs=request.prompt_logprobs)
+        prompt: str | list[int] | None = request.prompt_token_ids or request.prompt
+        if prompt is None:
+            raise BackendValidationError("the engine backend needs a prompt; chat is rendered by the gateway")
+        try:
+            async for out in self.engine.generate(prompt, params, request.request_id):
+                event = TokenEvent(
+                    token_id=out.token_id, text=out.text, token_text=out.token_text, special=out.special,
+                    logprob=out.logprob, top_logprobs=[self._logprob(t) for t in out.top_logprobs],
+                    seed=out.seed)
+                if out.prompt_logprobs is not None:
+                    event.prompt_tokens = self._prompt_tokens(prompt, out.prompt_logprobs)
+                if out.finish_reason is not None:
+                    event.finish_reason = FinishReason(out.finish_reason)
+                    event.stop_string = out.stop_string
+                    event.usage = Usage(out.num_prompt_tokens, out.num_output_tokens)
+                yield event
+        except RequestError as exc:
+            raise BackendValidationError(str(exc)) from None
+        except EngineDeadError as exc:
+            raise BackendUnavailableError(str(exc)) from None
+
+    def _logprob(self, entry: EngineLogprob) -> TokenLogprob:
+        return TokenLogprob(entry.token_id, self.llm.tokenizer.decode([entry.token_id]), entry.logprob)
+
+    def _prompt_tokens(self, prompt: str | list[int], scored: list[EngineLogprob]) -> list[TokenLogprob]:
+        ids = prompt if isinstance(prompt, list) else self.llm.tokenize(prompt)
+        decode = self.llm.tokenizer.decode
+        first = [TokenLogprob(ids[0], decode([ids[0]]), None)]  # the first token has nothing to score it
+        return first + [TokenLogprob(e.token_id, decode([e.token_id]), e.logprob) for e in scored]
+
+    async def aclose(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+
+def _char_to_byte_offsets(text: str) -> list[int]:
+    offsets = [0]
+    for ch in text:
+        offsets.append(offsets[-1] + len(ch.encode()))
+    return offsets

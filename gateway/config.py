@@ -1,0 +1,176 @@
+"""config.toml → a frozen, validated snapshot.
+
+Every error names the TOML key path and what is wrong; nothing here raises anything but
+ConfigError for a bad file.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from backends.registry import backend_types, get_backend_class
+
+
+class ConfigError(Exception):
+    pass
+
+
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_concurrent_requests: int = 128
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_best_of: int = 2
+    max_client_batch_size: int = 4
+    max_n: int = 16  # OpenAI `n`
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    backend: str
+    aliases: list[str] = []
+    max_input_tokens: int | None = None  # default: max_total_tokens - 1
+    max_total_tokens: int | None = None  # default: the backend's context length
+    default_max_new_tokens: int | None = None  # when a request gives none; default: what the context allows
+    max_new_tokens: int | None = None  # cap on what a request may ask for
+    chat_template: str | None = None  # overrides the model's own template
+
+
+class BackendEntry(msgspec.Struct, frozen=True):
+    name: str
+    type: str
+    settings: Any  # the backend type's own Settings struct
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
+    server: ServerConfig
+    backends: dict[str, BackendEntry]
+    models: dict[str, ModelConfig]
+    default_model: str
+    source: str = "<memory>"
+
+    def resolve_model(self, name: str | None) -> tuple[str, ModelConfig] | None:
+        """The canonical model name and its settings for a name or alias; None if unknown."""
+        if name is None:
+            name = self.default_model
+        if name in self.models:
+            return name, self.models[name]
+        for canonical, model in self.models.items():
+            if name in model.aliases:
+                return canonical, model
+        return None
+
+    def describe(self) -> str:
+        lines = [f"config {self.source}: {len(self.models)} model(s), {len(self.backends)} backend(s)"]
+        for name, model in self.models.items():
+            backend = self.backends[model.backend]
+            default = " (default)" if name == self.default_model else ""
+            aliases = f" aliases={model.aliases}" if model.aliases else ""
+            lines.append(f"  model {name}{default} -> backend {backend.name} (type {backend.type}){aliases}")
+        return "\n".join(lines)
+
+
+_TOP_LEVEL = {"server", "backends", "models", "default_model"}
+
+
+def _where(prefix: str, exc: msgspec.ValidationError) -> str:
+    """msgspec says `... - at `$.field[0]``; turn that into a TOML key path."""
+    text = str(exc)
+    match = re.search(r" - at `\$(.*)`$", text)
+    path = prefix
+    if match:
+        path += re.sub(r"\[(\d+)\]", r"[\1]", match.group(1))
+        text = text[: match.start()]
+    unknown = re.fullmatch(r"Object contains unknown field `(.*)`", text)
+    if unknown:
+        return f"{path}.{unknown.group(1)}: unknown key"
+    return f"{path}: {text}"
+
+
+def _convert(raw: Any, cls: type, prefix: str) -> Any:
+    try:
+        return msgspec.convert(raw, type=cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_where(prefix, exc)) from None
+
+
+def parse_config(text: str, source: str = "<memory>") -> GatewayConfig:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    for key in raw:
+        if key not in _TOP_LEVEL:
+            raise ConfigError(f"{key}: unknown key (expected one of {sorted(_TOP_LEVEL)})")
+    server = _convert(raw.get("server", {}), ServerConfig, "server")
+
+    raw_backends = raw.get("backends", {})
+    if not isinstance(raw_backends, dict) or not raw_backends:
+        raise ConfigError("backends: at least one [backends.NAME] table is required")
+    backends: dict[str, BackendEntry] = {}
+    known = backend_types()
+    for name, table in raw_backends.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"backends.{name}: expected a table")
+        type_name = table.get("type")
+        if not isinstance(type_name, str):
+            raise ConfigError(f"backends.{name}.type: required, one of {sorted(known)}")
+        if type_name not in known:
+            raise ConfigError(f"backends.{name}.type: unknown backend type {type_name!r} (known: {sorted(known)})")
+        try:
+            cls = get_backend_class(type_name)
+        except Exception as exc:  # a broken third-party plugin
+            raise ConfigError(f"backends.{name}.type: backend type {type_name!r} failed to load: {exc}") from None
+        backends[name] = BackendEntry(name, type_name, _convert(table, cls.Settings, f"backends.{name}"))
+
+    raw_models = raw.get("models", {})
+    if not isinstance(raw_models, dict) or not raw_models:
+        raise ConfigError("models: at least one [models.NAME] table is required")
+    models: dict[str, ModelConfig] = {}
+    seen_names: dict[str, str] = {}
+    for name, table in raw_models.items():
+        model = _convert(table, ModelConfig, f"models.{name}")
+        if model.backend not in backends:
+            raise ConfigError(f"models.{name}.backend: no backend named {model.backend!r} "
+                              f"(defined: {sorted(backends)})")
+        for i, alias in enumerate([name, *model.aliases]):
+            if alias in seen_names:
+                key = f"models.{name}" + (f".aliases[{i - 1}]" if i else "")
+                raise ConfigError(f"{key}: name {alias!r} is already used by model {seen_names[alias]!r}")
+            seen_names[alias] = name
+        _check_limits(name, model)
+        models[name] = model
+
+    default_model = raw.get("default_model", next(iter(models)))
+    if not isinstance(default_model, str):
+        raise ConfigError("default_model: expected a string")
+    if default_model not in seen_names:
+        raise ConfigError(f"default_model: no model named {default_model!r} (defined: {sorted(models)})")
+    return GatewayConfig(server=server, backends=backends, models=models, default_model=seen_names[default_model],
+                         source=source)
+
+
+def _check_limits(name: str, model: ModelConfig) -> None:
+    for key in ("max_input_tokens", "max_total_tokens", "default_max_new_tokens", "max_new_tokens"):
+        value = getattr(model, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"models.{name}.{key}: must be >= 1, got {value}")
+    if model.max_input_tokens and model.max_total_tokens and model.max_input_tokens >= model.max_total_tokens:
+        raise ConfigError(f"models.{name}.max_input_tokens: must be < max_total_tokens "
+                          f"({model.max_input_tokens} >= {model.max_total_tokens})")
+    if model.default_max_new_tokens and model.max_new_tokens and model.default_max_new_tokens > model.max_new_tokens:
+        raise ConfigError(f"models.{name}.default_max_new_tokens: must be <= max_new_tokens")
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return parse_config(text, str(path))
