@@ -86,6 +86,7 @@ class TokenEvent(msgspec.Struct, kw_only=True):
     usage: Usage | None = None  # on the last event
     seed: int | None = None
     prompt_tokens: list[TokenLogprob] | None = None  # on the first event, when prompt_logprobs was asked
+    queue_seconds: float | None = None  # on the first event, where the backend knows it
 
     @property
     def finished(self) -> bool:

@@ -106,7 +106,7 @@ class EngineBackend:
                 event = TokenEvent(
                     token_id=out.token_id, text=out.text, token_text=out.token_text, special=out.special,
                     logprob=out.logprob, top_logprobs=[self._logprob(t) for t in out.top_logprobs],
-                    seed=out.seed)
+                    seed=out.seed, queue_seconds=out.queue_seconds)
                 if out.prompt_logprobs is not None:
                     event.prompt_tokens = self._prompt_tokens(prompt, out.prompt_logprobs)
                 if out.finish_reason is not None:

@@ -89,7 +89,7 @@ class LLMEngine:
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if min(total, self.max_model_len) > capacity:
             raise RequestError(f"prompt + max_new_tokens = {total} tokens exceed the KV cache ({capacity} tokens)")
-        seq = Sequence(request_id, token_ids, params, arrival=next(self._arrivals))
+        seq = Sequence(request_id, token_ids, params, arrival=next(self._arrivals), arrival_time=time.monotonic())
         if not params.greedy:
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
             seq.generator = torch.Generator().manual_seed(seq.seed)
@@ -161,7 +161,8 @@ class LLMEngine:
             special=token in self.special_ids, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, logprob=logprob, top_logprobs=top,
             finish_reason=reason, stop_string=detok.stop_string, seed=seq.seed,
-            prompt_logprobs=seq.prompt_logprobs if first else None, num_cached_tokens=seq.num_cached_tokens)
+            prompt_logprobs=seq.prompt_logprobs if first else None, num_cached_tokens=seq.num_cached_tokens,
+            queue_seconds=(seq.first_scheduled_time or seq.arrival_time) - seq.arrival_time if first else None)
         if reason is not None:
             self._release(seq)
         return output

@@ -27,6 +27,7 @@ class RequestOutput:
     seed: int | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first output, when asked
     num_cached_tokens: int = 0
+    queue_seconds: float | None = None  # with the first output: time from arrival to first compute
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ running sequence is preempted: its blocks are freed and it is recomputed later.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -73,6 +74,8 @@ class Scheduler:
             self.block_manager.allocate(seq, num_new)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)

@@ -28,6 +28,8 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: int = 0  # monotonic admission order, for first-come-first-served
+    arrival_time: float = 0.0  # time.monotonic() when added
+    first_scheduled_time: float | None = None  # when it first got compute: arrival → this is queue time
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)

@@ -1,0 +1,99 @@
+"""The Litestar application: routes, dependency injection, lifespan, and protocol-shaped errors."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar, Request, Response
+from litestar.di import Provide
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+
+from backends.base import Backend
+from gateway import __version__
+from gateway.config import GatewayConfig
+from gateway.errors import GatewayError
+from gateway.routes.openai import OpenAIController
+from gateway.routes.tgi import TgiController
+from gateway.state import Gateway
+
+log = logging.getLogger("llmgw")
+MAX_BODY_BYTES = 2_000_000  # TGI's default --payload-limit
+
+
+def _is_openai(request: Request) -> bool:
+    return request.url.path.startswith("/v1/")
+
+
+def _respond(request: Request, err: GatewayError) -> Response:
+    if _is_openai(request):
+        return Response(err.openai_body(), status_code=err.openai_status())
+    return Response(err.tgi_body(), status_code=err.tgi_status())
+
+
+def _on_gateway_error(request: Request, exc: GatewayError) -> Response:
+    return _respond(request, exc)
+
+
+def _on_validation_error(request: Request, exc: ValidationException) -> Response:
+    """A body that does not decode into the route's type: name the field and what is wrong."""
+    problems = exc.extra if isinstance(exc.extra, list) else []
+    first = problems[0] if problems and isinstance(problems[0], dict) else {}
+    key = first.get("key") if first.get("key") not in (None, "data") else None
+    detail = first.get("message") or exc.detail
+    if _is_openai(request):
+        message = f"{key}: {detail}" if key else str(detail)
+        return _respond(request, GatewayError(message, param=key))
+    message = f"Failed to deserialize the JSON body into the target type: {f'{key}: ' if key else ''}{detail}"
+    return Response({"error": message, "error_type": "validation"}, status_code=422)
+
+
+def _on_http_error(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    detail = exc.detail
+    if status == 400 and "malformed" in str(detail).lower():
+        detail = f"Failed to parse the request body as JSON: {detail}"
+    kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 401: "unauthorized"}
+    error = GatewayError(str(detail), kind="validation", status=status, code=kind.get(status))
+    if _is_openai(request):
+        return Response(error.openai_body(), status_code=status)
+    return Response({"error": str(detail), "error_type": kind.get(status, "validation")}, status_code=status)
+
+
+def _on_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return _respond(request, GatewayError(f"internal error ({type(exc).__name__})", kind="internal"))
+
+
+def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None) -> Litestar:
+    gateway = Gateway(config, backends)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        gateway.start_backends()
+        try:
+            yield
+        finally:
+            await gateway.aclose()
+
+    def provide_gateway() -> Gateway:
+        return gateway
+
+    app = Litestar(
+        route_handlers=[TgiController, OpenAIController],
+        dependencies={"gateway": Provide(provide_gateway, sync_to_thread=False)},
+        lifespan=[lifespan],
+        exception_handlers={
+            GatewayError: _on_gateway_error,
+            ValidationException: _on_validation_error,
+            HTTPException: _on_http_error,
+            Exception: _on_unexpected,
+        },
+        openapi_config=OpenAPIConfig(title="llm-gateway", version=__version__, path="/docs"),
+        request_max_body_size=MAX_BODY_BYTES,
+        debug=False,
+    )
+    app.state.gateway = gateway
+    return app

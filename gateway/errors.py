@@ -1,0 +1,63 @@
+"""Errors raised by route logic, and their TGI and OpenAI wire forms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backends.base import BackendError
+from gateway.protocol.openai import OpenAIError, OpenAIErrorResponse
+from gateway.protocol.tgi import ErrorResponse
+
+# kind → (HTTP status, TGI error_type, OpenAI type)
+_KINDS: dict[str, tuple[int, str, str]] = {
+    "validation": (422, "validation", "invalid_request_error"),
+    "template": (422, "template_error", "invalid_request_error"),
+    "model_not_found": (404, "model_not_found", "invalid_request_error"),
+    "unauthorized": (401, "unauthorized", "authentication_error"),
+    "overloaded": (429, "overloaded", "rate_limit_error"),
+    "unavailable": (503, "unavailable", "service_unavailable_error"),
+    "healthcheck": (503, "healthcheck", "service_unavailable_error"),
+    "timeout": (504, "timeout", "timeout_error"),
+    "upstream": (424, "generation", "server_error"),
+    "internal": (500, "internal", "server_error"),
+}
+
+
+@dataclass
+class GatewayError(Exception):
+    message: str
+    kind: str = "validation"
+    param: str | None = None  # the request field at fault (OpenAI's `param`)
+    code: str | None = None  # OpenAI's `code`
+    status: int | None = None  # overrides the kind's status
+
+    def __str__(self) -> str:
+        return self.message
+
+    @classmethod
+    def from_backend(cls, exc: BackendError) -> GatewayError:
+        return cls(exc.message, kind=exc.kind if exc.kind in _KINDS else "upstream")
+
+    def tgi_status(self) -> int:
+        return self.status or _KINDS[self.kind][0]
+
+    def tgi_body(self) -> ErrorResponse:
+        _, error_type, _ = _KINDS[self.kind]
+        text = {
+            "validation": f"Input validation error: {self.message}",
+            "template": f"Template error: {self.message}",
+            "overloaded": "Model is overloaded",
+            "upstream": f"Request failed during generation: {self.message}",
+        }.get(self.kind, self.message)
+        return ErrorResponse(error=text, error_type=error_type)
+
+    def openai_status(self) -> int:
+        if self.status:
+            return self.status
+        status = _KINDS[self.kind][0]
+        return 400 if status == 422 else 502 if self.kind == "upstream" else status
+
+    def openai_body(self) -> OpenAIErrorResponse:
+        code = self.code or (self.kind if self.kind not in ("validation", "template") else None)
+        return OpenAIErrorResponse(OpenAIError(message=self.message, type=_KINDS[self.kind][2], param=self.param,
+                                               code=code))

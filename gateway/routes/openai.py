@@ -1,0 +1,249 @@
+"""OpenAI's routes: /v1/chat/completions, /v1/completions (streaming and not) and /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+from litestar import Controller, Response, get, post
+from litestar.response import Stream
+
+from backends.base import GenerationRequest, TokenEvent
+from gateway import __version__
+from gateway.errors import GatewayError
+from gateway.generation import Collected, collect, merge, run_stream, tokenize_prompt
+from gateway.openai_params import (
+    FINISH_REASONS,
+    chat_messages,
+    check_chat_features,
+    check_common,
+    check_context,
+    completion_prompts,
+    core_request,
+    max_new_tokens,
+)
+from gateway.protocol.openai import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatTokenLogprob,
+    ChoiceLogprobs,
+    ChunkChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    TopLogprob,
+    UsageOut,
+)
+from gateway.router import ModelRoute
+from gateway.sse import DONE, sse_event, with_keepalive
+from gateway.state import Gateway
+
+FINGERPRINT = f"llm-gateway-{__version__}"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _copies(core: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """n choices: their own request ids, and distinct seeds so seeded choices differ."""
+    if n == 1:
+        return [core]
+    return [msgspec.structs.replace(core, request_id=f"{core.request_id}-{i}",
+                                    seed=None if core.seed is None else core.seed + i) for i in range(n)]
+
+
+def _chat_logprobs(events: list[TokenEvent]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(content=[
+        ChatTokenLogprob(token=e.token_text, logprob=e.logprob if e.logprob is not None else 0.0,
+                         bytes=list(e.token_text.encode()),
+                         top_logprobs=[TopLogprob(token=t.text, logprob=t.logprob or 0.0, bytes=list(t.text.encode()))
+                                       for t in e.top_logprobs])
+        for e in events])
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageOut:
+    return UsageOut(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens)
+
+
+def _stream_error(err: GatewayError) -> bytes:
+    return sse_event(err.openai_body())
+
+
+class OpenAIController(Controller):
+    path = "/v1"
+    tags = ["OpenAI"]
+
+    @get("/models", summary="The models this gateway serves", operation_id="list_models")
+    async def models(self, gateway: Gateway) -> ModelList:
+        return ModelList(data=[ModelCard(id=name) for name in gateway.router.model_names()])
+
+    # chat
+
+    @post("/chat/completions", summary="Chat completion (OpenAI)", operation_id="create_chat_completion",
+          status_code=200)
+    async def chat(self, data: ChatCompletionRequest, gateway: Gateway) -> Response | Stream:
+        route = gateway.router.require(data.model)
+        server = gateway.config.server
+        check_common(data, server)
+        check_chat_features(data)
+        messages = chat_messages(data)
+        prompt, ids, native = None, None, route.backend.info().accepts_chat_messages
+        if not native:
+            prompt = route.render_chat(messages, add_generation_prompt=data.add_generation_prompt)
+            ids = await tokenize_prompt(route, prompt, add_special_tokens=False)
+        n_input = len(ids) if ids is not None else None
+        new = max_new_tokens(route, data.max_completion_tokens or data.max_tokens, n_input,
+                             "max_completion_tokens" if data.max_completion_tokens else "max_tokens")
+        check_context(route, n_input, new, "messages", "messages")
+        want_logprobs = bool(data.logprobs)
+        core = core_request(data, route, server, prompt=prompt, ids=ids, messages=messages if native else None,
+                            new_tokens=new, logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0)
+        requests = _copies(core, data.n or 1)
+        response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if data.stream:
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            events = self._chat_stream(gateway, route, requests, data.model or route.name, response_id, created,
+                                       want_logprobs, include_usage)
+            return Stream(with_keepalive(events), media_type="text/event-stream", headers=SSE_HEADERS)
+        with gateway.admit():
+            results = await asyncio.gather(*(collect(run_stream(route, r)) for r in requests))
+        choices = [ChatChoice(index=i, message=ResponseMessage(role="assistant", content=r.text),
+                              logprobs=_chat_logprobs(r.events) if want_logprobs else None,
+                              finish_reason=FINISH_REASONS[str(r.last.finish_reason)])
+                   for i, r in enumerate(results)]
+        body = ChatCompletionResponse(id=response_id, created=created, model=data.model or route.name,
+                                      choices=choices, usage=self._total_usage(results), system_fingerprint=FINGERPRINT)
+        return Response(body, status_code=200)
+
+    @staticmethod
+    def _total_usage(results: list[Collected]) -> UsageOut:
+        prompt = results[0].usage.prompt_tokens if results else 0
+        return _usage(prompt, sum(r.usage.completion_tokens for r in results))
+
+    async def _chat_stream(self, gw: Gateway, route: ModelRoute, requests: list[GenerationRequest], model: str,
+                           response_id: str, created: int, want_logprobs: bool,
+                           include_usage: bool) -> AsyncIterator[bytes]:
+        prompt_tokens, completion_tokens = 0, 0
+
+        def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> ChatCompletionChunk:
+            c = ChatCompletionChunk(id=response_id, created=created, model=model, system_fingerprint=FINGERPRINT,
+                                    choices=choices)
+            if include_usage:
+                c.usage = usage
+            return c
+
+        try:
+            with gw.admit():
+                async for index, e in merge([run_stream(route, r) for r in requests]):
+                    completion_tokens += 1
+                    if e.usage:
+                        prompt_tokens = e.usage.prompt_tokens
+                    if not e.text and not e.finished and not want_logprobs:
+                        continue  # nothing to show yet (a held-back stop prefix or half a character)
+                    finish = FINISH_REASONS[str(e.finish_reason)] if e.finished else None
+                    yield sse_event(chunk([ChunkChoice(
+                        index=index, delta=Delta(content=e.text),
+                        logprobs=_chat_logprobs([e]) if want_logprobs else None, finish_reason=finish)]))
+            if include_usage:
+                yield sse_event(chunk([], _usage(prompt_tokens, completion_tokens)))
+        except GatewayError as err:
+            yield _stream_error(err)
+        yield DONE
+
+    # completions
+
+    @post("/completions", summary="Text completion (OpenAI legacy)", operation_id="create_completion",
+          status_code=200)
+    async def completions(self, data: CompletionRequest, gateway: Gateway) -> Response | Stream:
+        route = gateway.router.require(data.model)
+        server = gateway.config.server
+        check_common(data, server)
+        prompts = completion_prompts(data)
+        if data.echo and any(not isinstance(p, str) for p in prompts):
+            raise GatewayError("`echo` with token-id prompts is not supported", param="echo")
+        n = data.n or 1
+        requests: list[GenerationRequest] = []
+        echoes: list[str] = []
+        for p in prompts:
+            ids = p if isinstance(p, list) else await tokenize_prompt(route, p)
+            n_input = len(ids) if ids is not None else None
+            new = max_new_tokens(route, data.max_tokens, n_input, "max_tokens")
+            check_context(route, n_input, new, "prompt", "prompt")
+            core = core_request(data, route, server, prompt=p if isinstance(p, str) else None, ids=ids, messages=None,
+                                new_tokens=new, logprobs=data.logprobs is not None, top_logprobs=data.logprobs or 0)
+            requests += _copies(core, n)
+            echoes += [p if data.echo and isinstance(p, str) else ""] * n
+        response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        model = data.model or route.name
+        if data.stream:
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            events = self._completion_stream(gateway, route, requests, echoes, model, response_id, created,
+                                             data.logprobs, include_usage, n)
+            return Stream(with_keepalive(events), media_type="text/event-stream", headers=SSE_HEADERS)
+        with gateway.admit():
+            results = await asyncio.gather(*(collect(run_stream(route, r)) for r in requests))
+        choices = [CompletionChoice(index=i, text=echoes[i] + r.text,
+                                    logprobs=self._legacy_logprobs(r.events, len(echoes[i]))
+                                    if data.logprobs is not None else None,
+                                    finish_reason=FINISH_REASONS[str(r.last.finish_reason)])
+                   for i, r in enumerate(results)]
+        prompt_tokens = sum(results[i].usage.prompt_tokens for i in range(0, len(results), n))
+        usage = _usage(prompt_tokens, sum(r.usage.completion_tokens for r in results))
+        body = CompletionResponse(id=response_id, created=created, model=model, system_fingerprint=FINGERPRINT,
+                                  choices=choices, usage=usage)
+        return Response(body, status_code=200)
+
+    @staticmethod
+    def _legacy_logprobs(events: list[TokenEvent], offset: int) -> CompletionLogprobs:
+        offsets = []
+        for e in events:
+            offsets.append(offset)
+            offset += len(e.token_text)
+        return CompletionLogprobs(
+            tokens=[e.token_text for e in events], token_logprobs=[e.logprob for e in events],
+            top_logprobs=[{t.text: t.logprob or 0.0 for t in e.top_logprobs} for e in events], text_offset=offsets)
+
+    async def _completion_stream(self, gw: Gateway, route: ModelRoute, requests: list[GenerationRequest],
+                                 echoes: list[str], model: str, response_id: str, created: int,
+                                 logprobs: int | None, include_usage: bool, n: int) -> AsyncIterator[bytes]:
+        prompt_tokens, completion_tokens = 0, 0
+        offsets = [len(e) for e in echoes]
+
+        def chunk(choices: list[CompletionChoice], usage: UsageOut | None = None) -> CompletionResponse:
+            c = CompletionResponse(id=response_id, created=created, model=model, system_fingerprint=FINGERPRINT,
+                                   choices=choices)
+            if include_usage:
+                c.usage = usage
+            return c
+
+        try:
+            with gw.admit():
+                for i, echo in enumerate(echoes):
+                    if echo:
+                        yield sse_event(chunk([CompletionChoice(index=i, text=echo, logprobs=None,
+                                                                finish_reason=None)]))
+                async for index, e in merge([run_stream(route, r) for r in requests]):
+                    completion_tokens += 1
+                    if e.usage and index % n == 0:
+                        prompt_tokens += e.usage.prompt_tokens
+                    if not e.text and not e.finished and logprobs is None:
+                        continue
+                    lp = self._legacy_logprobs([e], offsets[index]) if logprobs is not None else None
+                    offsets[index] += len(e.token_text)
+                    finish = FINISH_REASONS[str(e.finish_reason)] if e.finished else None
+                    yield sse_event(chunk([CompletionChoice(index=index, text=e.text, logprobs=lp,
+                                                            finish_reason=finish)]))
+            if include_usage:
+                yield sse_event(chunk([], _usage(prompt_tokens, completion_tokens)))
+        except GatewayError as err:
+            yield _stream_error(err)
+        yield DONE
