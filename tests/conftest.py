@@ -39,3 +39,20 @@ def build_tiny_model(dest: Path, tokenizer_dir: Path, architecture: str = "llama
 @pytest.fixture(scope="session")
 def tiny_llama_dir(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smollm_dir)
+
+
+@pytest.fixture(scope="session")
+def gateway_url(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path):
+    """One real gateway process serving the embedded model, shared by the end-to-end tests."""
+    from tests.server import ENGINE_CONFIG, running_gateway
+
+    with running_gateway(ENGINE_CONFIG, tmp_path_factory.mktemp("gateway")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def engine_fp32(smollm_dir: Path):
+    """The engine on its own, configured as the gateway's, to compare greedy answers."""
+    from engine_core import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(smollm_dir), dtype="float32", num_blocks=256))
