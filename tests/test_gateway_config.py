@@ -1,0 +1,98 @@
+"""config.toml handling, the CLI, and backends plugged in through the entry point group."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.config import ConfigError, parse_config
+from tests.server import ROOT, running_gateway
+
+BACKEND = '[backends.local]\ntype = "engine"\n'
+MODEL = '[models.m]\nbackend = "local"\n'
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("colour = 1\n" + BACKEND + MODEL, "colour: unknown key"),
+    (BACKEND + 'kv_cache_mb = "lots"\n' + MODEL, "backends.local.kv_cache_mb: Expected `int`, got `str`"),
+    (BACKEND + "flux = 2\n" + MODEL, "backends.local.flux: unknown key"),
+    ('[backends.local]\ntype = "warp"\n' + MODEL, "backends.local.type: unknown backend type 'warp'"),
+    ("[backends.local]\n" + MODEL, "backends.local.type: required"),
+    (BACKEND + '[models.m]\nbackend = "remote"\n', "models.m.backend: no backend named 'remote'"),
+    (BACKEND + MODEL + "aliases = [1]\n", "models.m.aliases[0]: Expected `str`, got `int`"),
+    (BACKEND + MODEL + "max_input_tokens = 10\nmax_total_tokens = 5\n", "models.m.max_input_tokens: must be <"),
+    (BACKEND + MODEL + '[models.n]\nbackend = "local"\naliases = ["m"]\n', "models.n.aliases[0]: name 'm' is already"),
+    ('default_model = "x"\n' + BACKEND + MODEL, "default_model: no model named 'x'"),
+    (BACKEND, "models: at least one"),
+    ("[backends.local\n", "not valid TOML"),
+])
+def test_bad_config_names_the_key_path(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text)
+    assert message in str(info.value)
+
+
+def test_check_config_prints_what_it_serves_and_fails_cleanly(tmp_path: Path) -> None:
+    good = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(ROOT / "config.toml")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert good.returncode == 0 and "model smollm2 (default) -> backend local (type engine)" in good.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BACKEND + 'kv_cache_mb = "lots"\n' + MODEL)
+    for command in (["check-config", str(bad)], ["serve", "--config", str(bad)]):
+        out = subprocess.run([sys.executable, "-m", "gateway", *command], capture_output=True, text=True, cwd=ROOT,
+                             timeout=60)
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert "backends.local.kv_cache_mb: Expected `int`, got `str`" in out.stderr
+
+
+@pytest.fixture
+def plugin_path(tmp_path: Path) -> Path:
+    """A distribution on sys.path whose entry point registers the echo backend, as a pip install would."""
+    dist = tmp_path / "site" / "llm_gateway_echo_plugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: llm-gateway-echo-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[llm_gateway.backends]\necho-test = tests.plugin.echo_backend:EchoBackend\n")
+    return tmp_path / "site"
+
+
+PLUGIN_CONFIG = """
+[backends.echo]
+type = "echo-test"
+start_delay = {delay}
+accepts_chat = {chat}
+
+[models.echo-model]
+backend = "echo"
+"""
+
+
+def test_entry_point_backend_serves_both_protocols(plugin_path: Path, tmp_path: Path) -> None:
+    config = PLUGIN_CONFIG.format(delay=0, chat="true")
+    with running_gateway(config, tmp_path, env={"PYTHONPATH": str(plugin_path)}) as url:
+        tgi = httpx.post(f"{url}/generate", json={"inputs": "one two three", "parameters": {"max_new_tokens": 5}})
+        assert tgi.json() == {"generated_text": "one two three"}
+        chat = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "echo-model", "messages": [{"role": "user", "content": "hello plugin world"}]}).json()
+        # this backend takes chat natively: it saw the message, not a rendered template
+        assert chat["choices"][0]["message"]["content"] == "hello plugin world"
+        stream = httpx.post(f"{url}/generate_stream", json={"inputs": "a b"}).text
+        assert stream.count("data: ") == 2 and '"generated_text":"a b"' in stream
+
+
+def test_health_is_503_until_backends_are_ready_and_chat_is_templated(plugin_path: Path, tmp_path: Path) -> None:
+    config = PLUGIN_CONFIG.format(delay=3, chat="false")
+    with running_gateway(config, tmp_path, env={"PYTHONPATH": str(plugin_path)}, wait_healthy=False) as url:
+        early = httpx.get(f"{url}/health")
+        assert early.status_code == 503 and early.json() == {"error": "unhealthy", "error_type": "healthcheck"}
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        chat = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "echo-model", "max_tokens": 50, "messages": [{"role": "user", "content": "hi there"}]}).json()
+        assert chat["choices"][0]["message"]["content"] == "user: hi there\n"  # the template, echoed back
