@@ -56,7 +56,8 @@ def plugin_path(tmp_path: Path) -> Path:
     dist = tmp_path / "site" / "llm_gateway_echo_plugin-1.0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: llm-gateway-echo-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[llm_gateway.backends]\necho-test = tests.plugin.echo_backend:EchoBackend\n")
+    entry = "echo-test = tests.plugin.echo_backend:EchoBackend"
+    (dist / "entry_points.txt").write_text(f"[llm_gateway.backends]\n{entry}\n")
     return tmp_path / "site"
 
 
