@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import pytest
 import yaml
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"
@@ -38,10 +37,12 @@ def _with_dangling_refs_stubbed(schemas: dict[str, Any]) -> dict[str, Any]:
     return schemas
 
 
+def specs_available() -> bool:
+    return REFERENCE.is_dir()
+
+
 @cache
 def _components(which: str) -> dict[str, Any]:
-    if not REFERENCE.is_dir():
-        pytest.skip(f"reference specs not found at {REFERENCE} (../shared is absent here)")
     if which == "tgi":
         schemas = json.loads((REFERENCE / "tgi-openapi.json").read_text())["components"]["schemas"]
     else:
@@ -50,7 +51,13 @@ def _components(which: str) -> dict[str, Any]:
 
 
 def validate(which: str, schema_name: str, instance: Any) -> None:
-    """Raise jsonschema.ValidationError unless `instance` matches components.schemas[schema_name]."""
+    """Raise jsonschema.ValidationError unless `instance` matches components.schemas[schema_name].
+
+    Where ../shared is absent this checks nothing; `test_reference_specs_are_present` skips there
+    with the reason, so the rest of each test still runs.
+    """
+    if not specs_available():
+        return
     components = _components(which)
     schema = {"$ref": f"#/components/schemas/{schema_name}", "components": {"schemas": components}}
     jsonschema.Draft202012Validator(schema).validate(instance)

@@ -8,7 +8,12 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.spec import validate
+from tests.spec import REFERENCE, specs_available, validate
+
+
+def test_reference_specs_are_present() -> None:
+    if not specs_available():
+        pytest.skip(f"reference specs not found at {REFERENCE}: responses are not validated against them here")
 
 
 def sse_payloads(raw: bytes) -> list[bytes]:
@@ -217,6 +222,8 @@ def test_oversized_body_is_refused_with_413(gateway_url: str) -> None:
 
 
 def test_spec_validation_catches_a_wrong_shape() -> None:
+    if not specs_available():
+        pytest.skip(f"reference specs not found at {REFERENCE}")
     with pytest.raises(jsonschema.ValidationError):
         validate("tgi", "GenerateResponse", {"details": None})
     with pytest.raises(jsonschema.ValidationError):
