@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from litestar import Controller, Response, get, post
@@ -74,10 +74,6 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageOut:
                     total_tokens=prompt_tokens + completion_tokens)
 
 
-def _stream_error(err: GatewayError) -> bytes:
-    return sse_event(err.openai_body())
-
-
 class OpenAIController(Controller):
     path = "/v1"
     tags = ["OpenAI"]
@@ -129,35 +125,25 @@ class OpenAIController(Controller):
         prompt = results[0].usage.prompt_tokens if results else 0
         return _usage(prompt, sum(r.usage.completion_tokens for r in results))
 
-    async def _chat_stream(self, gw: Gateway, route: ModelRoute, requests: list[GenerationRequest], model: str,
-                           response_id: str, created: int, want_logprobs: bool,
-                           include_usage: bool) -> AsyncIterator[bytes]:
-        prompt_tokens, completion_tokens = 0, 0
-
-        def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> ChatCompletionChunk:
+    @staticmethod
+    def _chat_stream(gw: Gateway, route: ModelRoute, requests: list[GenerationRequest], model: str,
+                     response_id: str, created: int, want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
+        def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> bytes:
             c = ChatCompletionChunk(id=response_id, created=created, model=model, system_fingerprint=FINGERPRINT,
                                     choices=choices)
             if include_usage:
                 c.usage = usage
-            return c
+            return sse_event(c)
 
-        try:
-            with gw.admit():
-                async for index, e in merge([run_stream(route, r) for r in requests]):
-                    completion_tokens += 1
-                    if e.usage:
-                        prompt_tokens = e.usage.prompt_tokens
-                    if not e.text and not e.finished and not want_logprobs:
-                        continue  # nothing to show yet (a held-back stop prefix or half a character)
-                    finish = FINISH_REASONS[str(e.finish_reason)] if e.finished else None
-                    yield sse_event(chunk([ChunkChoice(
-                        index=index, delta=Delta(content=e.text),
-                        logprobs=_chat_logprobs([e]) if want_logprobs else None, finish_reason=finish)]))
-            if include_usage:
-                yield sse_event(chunk([], _usage(prompt_tokens, completion_tokens)))
-        except GatewayError as err:
-            yield _stream_error(err)
-        yield DONE
+        def render(index: int, e: TokenEvent) -> bytes | None:
+            if not e.text and not e.finished and not want_logprobs:
+                return None  # nothing to show yet (a held-back stop prefix or half a character)
+            finish = FINISH_REASONS[str(e.finish_reason)] if e.finished else None
+            return chunk([ChunkChoice(index=index, delta=Delta(content=e.text),
+                                      logprobs=_chat_logprobs([e]) if want_logprobs else None, finish_reason=finish)])
+
+        return _sse(gw, route, requests, render, (lambda u: chunk([], u)) if include_usage else None,
+                    choices_per_prompt=len(requests))
 
     # completions
 
@@ -212,38 +198,50 @@ class OpenAIController(Controller):
             tokens=[e.token_text for e in events], token_logprobs=[e.logprob for e in events],
             top_logprobs=[{t.text: t.logprob or 0.0 for t in e.top_logprobs} for e in events], text_offset=offsets)
 
-    async def _completion_stream(self, gw: Gateway, route: ModelRoute, requests: list[GenerationRequest],
-                                 echoes: list[str], model: str, response_id: str, created: int,
-                                 logprobs: int | None, include_usage: bool, n: int) -> AsyncIterator[bytes]:
-        prompt_tokens, completion_tokens = 0, 0
+    def _completion_stream(self, gw: Gateway, route: ModelRoute, requests: list[GenerationRequest],
+                           echoes: list[str], model: str, response_id: str, created: int,
+                           logprobs: int | None, include_usage: bool, n: int) -> AsyncIterator[bytes]:
         offsets = [len(e) for e in echoes]
 
-        def chunk(choices: list[CompletionChoice], usage: UsageOut | None = None) -> CompletionResponse:
+        def chunk(choices: list[CompletionChoice], usage: UsageOut | None = None) -> bytes:
             c = CompletionResponse(id=response_id, created=created, model=model, system_fingerprint=FINGERPRINT,
                                    choices=choices)
             if include_usage:
                 c.usage = usage
-            return c
+            return sse_event(c)
 
-        try:
-            with gw.admit():
-                for i, echo in enumerate(echoes):
-                    if echo:
-                        yield sse_event(chunk([CompletionChoice(index=i, text=echo, logprobs=None,
-                                                                finish_reason=None)]))
-                async for index, e in merge([run_stream(route, r) for r in requests]):
-                    completion_tokens += 1
-                    if e.usage and index % n == 0:
-                        prompt_tokens += e.usage.prompt_tokens
-                    if not e.text and not e.finished and logprobs is None:
-                        continue
-                    lp = self._legacy_logprobs([e], offsets[index]) if logprobs is not None else None
-                    offsets[index] += len(e.token_text)
-                    finish = FINISH_REASONS[str(e.finish_reason)] if e.finished else None
-                    yield sse_event(chunk([CompletionChoice(index=index, text=e.text, logprobs=lp,
-                                                            finish_reason=finish)]))
-            if include_usage:
-                yield sse_event(chunk([], _usage(prompt_tokens, completion_tokens)))
-        except GatewayError as err:
-            yield _stream_error(err)
-        yield DONE
+        def render(index: int, e: TokenEvent) -> bytes | None:
+            if not e.text and not e.finished and logprobs is None:
+                return None
+            lp = self._legacy_logprobs([e], offsets[index]) if logprobs is not None else None
+            offsets[index] += len(e.token_text)
+            finish = FINISH_REASONS[str(e.finish_reason)] if e.finished else None
+            return chunk([CompletionChoice(index=index, text=e.text, logprobs=lp, finish_reason=finish)])
+
+        preamble = [chunk([CompletionChoice(index=i, text=echo, logprobs=None, finish_reason=None)])
+                    for i, echo in enumerate(echoes) if echo]
+        return _sse(gw, route, requests, render, (lambda u: chunk([], u)) if include_usage else None,
+                    choices_per_prompt=n, preamble=preamble)
+
+
+async def _sse(gw: Gateway, route: ModelRoute, requests: list[GenerationRequest],
+               render: Callable[[int, TokenEvent], bytes | None], usage_chunk: Callable[[UsageOut], bytes] | None,
+               *, choices_per_prompt: int, preamble: list[bytes] | None = None) -> AsyncIterator[bytes]:
+    """The OpenAI event stream: rendered chunks, the usage chunk if asked, errors as events, then [DONE]."""
+    prompt_tokens, completion_tokens = 0, 0
+    try:
+        with gw.admit():
+            for event in preamble or []:
+                yield event
+            async for index, e in merge([run_stream(route, r) for r in requests]):
+                completion_tokens += 1
+                if e.usage and index % choices_per_prompt == 0:  # n choices of one prompt share its tokens
+                    prompt_tokens += e.usage.prompt_tokens
+                rendered = render(index, e)
+                if rendered is not None:
+                    yield rendered
+        if usage_chunk is not None:
+            yield usage_chunk(_usage(prompt_tokens, completion_tokens))
+    except GatewayError as err:
+        yield sse_event(err.openai_body())
+    yield DONE
