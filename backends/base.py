@@ -50,6 +50,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     top_logprobs: int = 0
     prompt_logprobs: bool = False
     deadline: float | None = None  # time.monotonic() after which the request times out
+    traceparent: str | None = None  # W3C trace context, forwarded to remote backends
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,12 @@ from importlib.metadata import entry_points
 from backends.base import Backend
 
 ENTRY_POINT_GROUP = "llm_gateway.backends"
-_BUILTIN = {"engine": "backends.engine:EngineBackend"}
+_BUILTIN = {
+    "engine": "backends.engine:EngineBackend",
+    "openai": "backends.openai:OpenAIBackend",
+    "tgi": "backends.tgi:TgiBackend",
+    "triton": "backends.triton:TritonBackend",
+}
 _registered: dict[str, type[Backend]] = {}
 
 

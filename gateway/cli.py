@@ -18,6 +18,7 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     print(config.describe(), file=sys.stderr)
     uvicorn.run(create_app(config), host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=30)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -11,15 +12,18 @@ from backends.base import BackendError, GenerationRequest, TokenEvent, TokenLogp
 from gateway.errors import GatewayError
 from gateway.router import ModelRoute
 
+log = logging.getLogger("llmgw")
+
 
 async def tokenize_prompt(route: ModelRoute, text: str, add_special_tokens: bool = True) -> list[int] | None:
-    """Token ids of a prompt, or None when the backend cannot tokenize (the upstream checks limits)."""
+    """Token ids of a prompt, or None when the backend cannot tokenize: the upstream then checks limits."""
     if not route.backend.info().can_tokenize:
         return None
     try:
         spans = await route.backend.tokenize(text, add_special_tokens=add_special_tokens)  # type: ignore[call-arg]
-    except BackendError as exc:
-        raise GatewayError.from_backend(exc) from None
+    except BackendError as exc:  # e.g. a TGI too old for /tokenize: generation can still go ahead
+        log.warning("backend %s could not tokenize; limits are left to the upstream: %s", route.backend_name, exc)
+        return None
     return [s.id for s in spans]
 
 

@@ -95,7 +95,7 @@ def check_context(route: ModelRoute, n_input: int | None, new_tokens: int, what:
 
 def core_request(req: SamplingExtras, route: ModelRoute, server: ServerConfig, *, prompt: str | None,
                  ids: list[int] | None, messages: list[ChatMessage] | None, new_tokens: int,
-                 logprobs: bool, top_logprobs: int) -> GenerationRequest:
+                 logprobs: bool, top_logprobs: int, traceparent: str | None = None) -> GenerationRequest:
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default samples
     return GenerationRequest(
         request_id=uuid.uuid4().hex, model=route.name, prompt=prompt, prompt_token_ids=ids, messages=messages,
@@ -104,7 +104,7 @@ def core_request(req: SamplingExtras, route: ModelRoute, server: ServerConfig, *
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
         seed=req.seed, max_new_tokens=new_tokens, min_tokens=min(req.min_tokens or 0, new_tokens),
         stop=stop_list(req.stop, server), stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=bool(req.ignore_eos), logprobs=logprobs, top_logprobs=top_logprobs)
+        ignore_eos=bool(req.ignore_eos), logprobs=logprobs, top_logprobs=top_logprobs, traceparent=traceparent)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -77,7 +77,7 @@ def check_parameters(p: GenerateParameters, server: ServerConfig, stream: bool) 
 
 
 async def validate_tgi(req: GenerateRequest, route: ModelRoute, server: ServerConfig, *, stream: bool,
-                       compat: bool = False) -> ValidTgiRequest:
+                       compat: bool = False, traceparent: str | None = None) -> ValidTgiRequest:
     p = req.parameters if req.parameters is not None else default_parameters()
     sampling = check_parameters(p, server, stream)
     if not req.inputs:
@@ -110,6 +110,6 @@ async def validate_tgi(req: GenerateRequest, route: ModelRoute, server: ServerCo
         repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
         frequency_penalty=p.frequency_penalty or 0.0, seed=p.seed, max_new_tokens=max_new, stop=list(p.stop),
         logprobs=True, top_logprobs=p.top_n_tokens or 0,
-        prompt_logprobs=p.decoder_input_details and want_details)
+        prompt_logprobs=p.decoder_input_details and want_details, traceparent=traceparent)
     return_full_text = p.return_full_text if p.return_full_text is not None else compat
     return ValidTgiRequest(core, p, p.best_of or 1, n_input, return_full_text, sampling)

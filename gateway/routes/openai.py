@@ -8,7 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
-from litestar import Controller, Response, get, post
+from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
 from backends.base import GenerationRequest, TokenEvent
@@ -86,7 +86,7 @@ class OpenAIController(Controller):
 
     @post("/chat/completions", summary="Chat completion (OpenAI)", operation_id="create_chat_completion",
           status_code=200)
-    async def chat(self, data: ChatCompletionRequest, gateway: Gateway) -> Response | Stream:
+    async def chat(self, data: ChatCompletionRequest, gateway: Gateway, request: Request) -> Response | Stream:
         route = gateway.router.require(data.model)
         server = gateway.config.server
         check_common(data, server)
@@ -102,7 +102,8 @@ class OpenAIController(Controller):
         check_context(route, n_input, new, "messages", "messages")
         want_logprobs = bool(data.logprobs)
         core = core_request(data, route, server, prompt=prompt, ids=ids, messages=messages if native else None,
-                            new_tokens=new, logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0)
+                            new_tokens=new, logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0,
+                            traceparent=request.headers.get("traceparent"))
         requests = _copies(core, data.n or 1)
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if data.stream:
@@ -149,7 +150,7 @@ class OpenAIController(Controller):
 
     @post("/completions", summary="Text completion (OpenAI legacy)", operation_id="create_completion",
           status_code=200)
-    async def completions(self, data: CompletionRequest, gateway: Gateway) -> Response | Stream:
+    async def completions(self, data: CompletionRequest, gateway: Gateway, request: Request) -> Response | Stream:
         route = gateway.router.require(data.model)
         server = gateway.config.server
         check_common(data, server)
@@ -165,7 +166,8 @@ class OpenAIController(Controller):
             new = max_new_tokens(route, data.max_tokens, n_input, "max_tokens")
             check_context(route, n_input, new, "prompt", "prompt")
             core = core_request(data, route, server, prompt=p if isinstance(p, str) else None, ids=ids, messages=None,
-                                new_tokens=new, logprobs=data.logprobs is not None, top_logprobs=data.logprobs or 0)
+                                new_tokens=new, logprobs=data.logprobs is not None, top_logprobs=data.logprobs or 0,
+                                traceparent=request.headers.get("traceparent"))
             requests += _copies(core, n)
             echoes += [p if data.echo and isinstance(p, str) else ""] * n
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())

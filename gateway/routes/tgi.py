@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator
 
 import msgspec
-from litestar import Controller, Response, get, post
+from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
 from backends.base import TokenEvent, TokenLogprob
@@ -57,7 +57,7 @@ def _details(v: ValidTgiRequest, result: Collected) -> Details:
     p = v.params
     prefill = [PrefillToken(id=t.token_id, text=t.text, logprob=t.logprob) for t in result.prompt_tokens or []]
     details = Details(
-        finish_reason=str(result.last.finish_reason), generated_tokens=len(result.events),
+        finish_reason=str(result.last.finish_reason), generated_tokens=result.usage.completion_tokens,
         seed=result.last.seed if v.sampling else None, prefill=prefill if p.decoder_input_details else [],
         tokens=[_token(e) for e in result.events])
     if p.top_n_tokens:
@@ -117,7 +117,8 @@ async def _stream_events(gw: Gateway, route: ModelRoute, v: ValidTgiRequest) -> 
                     event.generated_text = v.core.prompt + full if v.return_full_text and v.core.prompt else full
                     if v.params.details:
                         event.details = StreamDetails(
-                            finish_reason=str(e.finish_reason), generated_tokens=index,
+                            finish_reason=str(e.finish_reason),
+                            generated_tokens=e.usage.completion_tokens if e.usage else index,
                             seed=e.seed if v.sampling else None,
                             input_length=v.input_length if v.input_length is not None else
                             (e.usage.prompt_tokens if e.usage else 0))
@@ -136,50 +137,59 @@ def _error_stream(err: GatewayError) -> AsyncIterator[bytes]:
 class TgiController(Controller):
     tags = ["TGI"]
 
-    async def _generate_response(self, gw: Gateway, route: ModelRoute, data: GenerateRequest,
-                                 compat: bool) -> Response:
+    async def _generate_response(self, gw: Gateway, route: ModelRoute, data: GenerateRequest, compat: bool,
+                                 request: Request) -> Response:
         started = time.perf_counter()
         with gw.admit():
-            v = await validate_tgi(data, route, gw.config.server, stream=False, compat=compat)
+            v = await validate_tgi(data, route, gw.config.server, stream=False, compat=compat,
+                                   traceparent=request.headers.get("traceparent"))
             validated = time.perf_counter()
             response, result = await _generate(gw, route, v)
         headers = _timing_headers(started, validated, result, data.inputs)
         return Response([response] if compat else response, headers=headers, status_code=200)
 
-    async def _stream_response(self, gw: Gateway, route: ModelRoute, data: GenerateRequest,
-                               compat: bool) -> Stream:
+    async def _stream_response(self, gw: Gateway, route: ModelRoute, data: GenerateRequest, compat: bool,
+                               request: Request) -> Stream:
         headers = {**SSE_HEADERS, "x-compute-characters": str(len(data.inputs))}
         try:
-            v = await validate_tgi(data, route, gw.config.server, stream=True, compat=compat)
+            v = await validate_tgi(data, route, gw.config.server, stream=True, compat=compat,
+                                   traceparent=request.headers.get("traceparent"))
         except GatewayError as err:  # TGI streams start before validation: errors arrive as events
             return Stream(_error_stream(err), media_type="text/event-stream", headers=headers, status_code=200)
         return Stream(with_keepalive(_stream_events(gw, route, v)), media_type="text/event-stream",
                       headers=headers, status_code=200)
 
     @post("/generate", summary="Generate tokens", operation_id="generate")
-    async def generate(self, data: GenerateRequest, gateway: Gateway) -> Response:
-        return await self._generate_response(gateway, gateway.router.require(None), data, compat=False)
+    async def generate(self, data: GenerateRequest, gateway: Gateway, request: Request) -> Response:
+        route = gateway.router.require(None)
+        return await self._generate_response(gateway, route, data, compat=False, request=request)
 
     @post("/generate_stream", summary="Generate a stream of tokens (SSE)", operation_id="generate_stream")
-    async def generate_stream(self, data: GenerateRequest, gateway: Gateway) -> Stream:
-        return await self._stream_response(gateway, gateway.router.require(None), data, compat=False)
+    async def generate_stream(self, data: GenerateRequest, gateway: Gateway, request: Request) -> Stream:
+        route = gateway.router.require(None)
+        return await self._stream_response(gateway, route, data, compat=False, request=request)
 
     @post("/", summary="TGI compat: a one-element list, or a stream with `stream: true`",
           operation_id="compat_generate")
-    async def compat_generate(self, data: CompatGenerateRequest, gateway: Gateway) -> Response | Stream:
+    async def compat_generate(self, data: CompatGenerateRequest, gateway: Gateway,
+                              request: Request) -> Response | Stream:
         route = gateway.router.require(None)
         if data.stream:
-            return await self._stream_response(gateway, route, data, compat=True)
-        return await self._generate_response(gateway, route, data, compat=True)
+            return await self._stream_response(gateway, route, data, compat=True, request=request)
+        return await self._generate_response(gateway, route, data, compat=True, request=request)
 
     @post("/models/{model:str}/generate", summary="Generate with a named model", operation_id="model_generate")
-    async def model_generate(self, model: str, data: GenerateRequest, gateway: Gateway) -> Response:
-        return await self._generate_response(gateway, gateway.router.require(model), data, compat=False)
+    async def model_generate(self, model: str, data: GenerateRequest, gateway: Gateway,
+                             request: Request) -> Response:
+        route = gateway.router.require(model)
+        return await self._generate_response(gateway, route, data, compat=False, request=request)
 
     @post("/models/{model:str}/generate_stream", summary="Stream with a named model",
           operation_id="model_generate_stream")
-    async def model_generate_stream(self, model: str, data: GenerateRequest, gateway: Gateway) -> Stream:
-        return await self._stream_response(gateway, gateway.router.require(model), data, compat=False)
+    async def model_generate_stream(self, model: str, data: GenerateRequest, gateway: Gateway,
+                                    request: Request) -> Stream:
+        route = gateway.router.require(model)
+        return await self._stream_response(gateway, route, data, compat=False, request=request)
 
     @post("/tokenize", summary="Tokenize inputs", operation_id="tokenize", status_code=200)
     async def tokenize(self, data: GenerateRequest, gateway: Gateway) -> list[SimpleToken]:

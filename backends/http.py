@@ -1,0 +1,148 @@
+"""What every HTTP backend shares: the pooled client, timeouts, event streams, error mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import msgspec
+
+from backends.base import (
+    BackendError,
+    BackendOverloadedError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    BackendValidationError,
+    GenerationRequest,
+    UpstreamError,
+)
+from backends.sse import SSEEvent, iter_sse
+
+
+class HttpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Connection settings common to every HTTP backend type."""
+
+    type: str
+    base_url: str
+    api_key: str | None = None
+    api_key_env: str | None = None  # name of an environment variable holding the key
+    connect_timeout: float = 5.0
+    first_token_timeout: float = 60.0  # request sent → first event
+    idle_timeout: float = 30.0  # longest gap between two events
+    total_timeout: float = 600.0
+    max_connections: int = 100
+    max_keepalive_connections: int = 20
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key_env:
+            return os.environ.get(self.api_key_env) or self.api_key
+        return self.api_key
+
+
+def make_client(settings: HttpSettings) -> httpx.AsyncClient:
+    headers = {}
+    key = settings.resolved_api_key()
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.AsyncClient(
+        base_url=settings.base_url.rstrip("/"), headers=headers,
+        timeout=httpx.Timeout(settings.total_timeout, connect=settings.connect_timeout),
+        limits=httpx.Limits(max_connections=settings.max_connections,
+                            max_keepalive_connections=settings.max_keepalive_connections))
+
+
+def trace_headers(request: GenerationRequest) -> dict[str, str]:
+    return {"traceparent": request.traceparent} if request.traceparent else {}
+
+
+def error_message(body: bytes) -> str:
+    """The message inside any upstream error shape: OpenAI nested, vLLM/trtllm flat, TGI, Triton, plain text."""
+    try:
+        payload = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body.decode("utf-8", errors="replace").strip() or "(empty body)"
+    if isinstance(payload, dict):
+        error = payload.get("error", payload)
+        if isinstance(error, dict):
+            return str(error.get("message") or error.get("detail") or error)
+        if error is not None:
+            return str(error)
+        if "detail" in payload:
+            return str(payload["detail"])
+        if "message" in payload:
+            return str(payload["message"])
+    return str(payload)
+
+
+def error_for_status(status: int, message: str, backend: str) -> BackendError:
+    text = f"{backend}: upstream answered {status}: {message}"
+    if status in (400, 413, 422):
+        return BackendValidationError(message)
+    if status == 429:
+        return BackendOverloadedError(text)
+    if status in (502, 503, 504):
+        return BackendUnavailableError(text)
+    return UpstreamError(text)
+
+
+@asynccontextmanager
+async def open_stream(client: httpx.AsyncClient, backend: str, path: str, body: dict[str, Any],
+                      headers: dict[str, str]) -> AsyncIterator[httpx.Response]:
+    """POST and yield the response once its status is 200; any other status becomes a typed error."""
+    try:
+        async with client.stream("POST", path, content=msgspec.json.encode(body),
+                                 headers={"content-type": "application/json", **headers}) as response:
+            if response.status_code != 200:
+                raise error_for_status(response.status_code, error_message(await response.aread()), backend)
+            yield response
+    except httpx.ConnectError as exc:
+        raise BackendUnavailableError(f"{backend}: cannot connect: {exc}") from None
+    except httpx.TimeoutException as exc:
+        raise BackendTimeoutError(f"{backend}: upstream timed out ({type(exc).__name__})") from None
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"{backend}: {type(exc).__name__}: {exc}") from None
+
+
+async def timed_events(response: httpx.Response, settings: HttpSettings, backend: str,
+                       started: float) -> AsyncIterator[SSEEvent]:
+    """The response's SSE events, failing on the first-token, idle and total timeouts."""
+    events = iter_sse(response.aiter_raw()).__aiter__()
+    first = True
+    try:
+        while True:
+            limit = settings.first_token_timeout if first else settings.idle_timeout
+            left = settings.total_timeout - (time.monotonic() - started)
+            try:
+                event = await asyncio.wait_for(events.__anext__(), timeout=max(0.0, min(limit, left)))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                what = "total" if left <= limit else "first-token" if first else "idle"
+                raise BackendTimeoutError(f"{backend}: upstream {what} timeout "
+                                          f"({min(limit, left):.1f} s without an event)") from None
+            except httpx.HTTPError as exc:
+                raise UpstreamError(f"{backend}: stream broken: {type(exc).__name__}: {exc}") from None
+            first = False
+            yield event
+    finally:
+        await events.aclose()
+
+
+async def read_body(response: httpx.Response, settings: HttpSettings, backend: str) -> bytes:
+    """A whole (non-streamed) body within the first-token timeout."""
+    try:
+        return await asyncio.wait_for(response.aread(), timeout=settings.first_token_timeout)
+    except TimeoutError:
+        raise BackendTimeoutError(f"{backend}: upstream first-token timeout") from None
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"{backend}: {type(exc).__name__}: {exc}") from None
+
+
+def drop_none(body: dict[str, Any]) -> dict[str, Any]:
+    """Upstreams differ on null (Triton refuses it, trtllm-serve validates it): never send one."""
+    return {k: v for k, v in body.items() if v is not None}

@@ -1,0 +1,213 @@
+"""Any OpenAI-compatible server: vLLM, trtllm-serve, SGLang, llama.cpp server.
+
+Chat requests pass through as messages (the upstream applies its own template); prompt requests
+(the TGI door, /v1/completions) go to /v1/completions. The upstream is always asked to stream,
+so TTFT is real and non-streaming responses are the same stream, aggregated by the gateway.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar, Literal
+
+import httpx
+import msgspec
+
+from backends.base import (
+    BackendInfo,
+    BackendValidationError,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+    TokenLogprob,
+    TokenSpan,
+    Usage,
+)
+from backends.http import (
+    HttpSettings,
+    drop_none,
+    error_for_status,
+    make_client,
+    open_stream,
+    timed_events,
+    trace_headers,
+)
+
+
+class OpenAISettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    type: str = "openai"
+    model: str  # the upstream's model name; clients may call it by another
+    flavor: Literal["vllm", "trtllm", "generic"] = "generic"
+    max_model_len: int | None = None  # default: what the upstream's /v1/models says, if it says
+
+
+class OpenAIBackend:
+    type_name: ClassVar[str] = "openai"
+    Settings: ClassVar[type[msgspec.Struct]] = OpenAISettings
+
+    def __init__(self, name: str, settings: OpenAISettings) -> None:
+        self.name = name
+        self.settings = settings
+        self.client = make_client(settings)
+        self.max_model_len = settings.max_model_len
+
+    async def start(self) -> None:
+        if self.max_model_len is None:
+            try:  # vLLM reports the context length in its model card
+                cards = (await self.client.get("/v1/models", timeout=self.settings.connect_timeout)).json()
+                for card in cards.get("data", []):
+                    if card.get("id") == self.settings.model and card.get("max_model_len"):
+                        self.max_model_len = int(card["max_model_len"])
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass  # an upstream that is down now may come up later; health says so
+
+    async def health(self) -> bool:
+        try:
+            response = await self.client.get("/v1/models", timeout=self.settings.connect_timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(backend_type=self.type_name, model_id=self.settings.model, max_model_len=self.max_model_len,
+                           accepts_chat_messages=True, can_tokenize=False)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
+        raise BackendValidationError(f"backend {self.name!r} ({self.type_name}) cannot tokenize")
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # requests
+
+    def _sampling(self, r: GenerationRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.settings.model, "stream": True, "stream_options": {"include_usage": True},
+            "temperature": r.temperature, "top_p": r.top_p if r.top_p < 1.0 else None, "seed": r.seed,
+            "stop": list(r.stop) or None, "presence_penalty": r.presence_penalty or None,
+            "frequency_penalty": r.frequency_penalty or None,
+            # vLLM's extras, also understood by trtllm-serve, SGLang and llama.cpp; sent only when used
+            "top_k": r.top_k or None, "min_p": r.min_p or None,
+            "repetition_penalty": r.repetition_penalty if r.repetition_penalty != 1.0 else None,
+            "min_tokens": r.min_tokens or None, "ignore_eos": r.ignore_eos or None,
+            "stop_token_ids": list(r.stop_token_ids) or None,
+        }
+        if self.settings.flavor == "vllm":
+            body["return_token_ids"] = True  # so TGI-door details carry real token ids
+        return body
+
+    def _chat_body(self, r: GenerationRequest) -> dict[str, Any]:
+        body = self._sampling(r)
+        body["messages"] = [{"role": m.role, "content": m.content} for m in r.messages or []]
+        body["max_tokens"] = r.max_new_tokens
+        if r.logprobs or r.top_logprobs:
+            body["logprobs"] = True
+            body["top_logprobs"] = r.top_logprobs or None
+        return drop_none(body)
+
+    def _completion_body(self, r: GenerationRequest) -> dict[str, Any]:
+        body = self._sampling(r)
+        body["prompt"] = r.prompt if r.prompt is not None else r.prompt_token_ids
+        body["max_tokens"] = r.max_new_tokens
+        if r.logprobs or r.top_logprobs:
+            body["logprobs"] = r.top_logprobs
+        return drop_none(body)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        chat = request.messages is not None
+        path, body = ("/v1/chat/completions", self._chat_body(request)) if chat else \
+            ("/v1/completions", self._completion_body(request))
+        started = time.monotonic()
+        async with open_stream(self.client, self.name, path, body, trace_headers(request)) as response:
+            final: TokenEvent | None = None
+            count = 0
+            async for sse in timed_events(response, self.settings, self.name, started):
+                if sse.data.strip() == "[DONE]":
+                    break
+                chunk = _decode(sse.data, self.name)
+                if chunk.get("error") is not None or chunk.get("object") == "error":
+                    raise _stream_error(chunk, self.name)
+                usage = chunk.get("usage")
+                for choice in chunk.get("choices") or []:
+                    for event in _events(choice, chat):
+                        count += 1
+                        if event.finished:
+                            final = event  # held until the usage chunk that follows it
+                        else:
+                            yield event
+                if usage and final is not None:
+                    final.usage = Usage(int(usage.get("prompt_tokens") or 0),
+                                        int(usage.get("completion_tokens") or count))
+            if final is not None:
+                if final.usage is None:
+                    final.usage = Usage(0, count)
+                yield final
+
+
+def _decode(data: str, backend: str) -> dict[str, Any]:
+    try:
+        chunk = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        raise error_for_status(502, f"not JSON in the event stream: {data[:200]!r}", backend) from None
+    if not isinstance(chunk, dict):
+        raise error_for_status(502, f"unexpected event: {data[:200]!r}", backend)
+    return chunk
+
+
+def _stream_error(chunk: dict[str, Any], backend: str) -> Exception:
+    error = chunk.get("error", chunk)
+    if isinstance(error, dict):
+        message = str(error.get("message") or error)
+        code = error.get("code")
+        status = code if isinstance(code, int) else int(error.get("http_status_code") or 500)
+    else:
+        message, status = str(error), 500
+    return error_for_status(status, message, backend)
+
+
+def _finish(choice: dict[str, Any]) -> tuple[FinishReason | None, str | None]:
+    reason = choice.get("finish_reason")
+    if not reason:
+        return None, None
+    if reason == "length":
+        return FinishReason.LENGTH, None
+    stop_reason = choice.get("stop_reason")
+    if reason == "stop_sequence" or isinstance(stop_reason, str):
+        return FinishReason.STOP_SEQUENCE, stop_reason if isinstance(stop_reason, str) else None
+    return FinishReason.EOS_TOKEN, None
+
+
+def _events(choice: dict[str, Any], chat: bool) -> list[TokenEvent]:
+    """One chunk's choice as token events: one per logprob entry when there are any, else one."""
+    text = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
+    reason, stop_string = _finish(choice)
+    entries = _logprob_entries(choice.get("logprobs"), chat)
+    ids = choice.get("token_ids") or []
+    if not text and reason is None and not entries:
+        return []  # the role-only first chunk, or an empty keep-alive delta
+    if not entries:  # no logprobs: one event per token id when the chunk carries several
+        entries = [("", None, []) for _ in ids[:-1]] + [(text, None, [])]
+    events = []
+    for i, (token_text, logprob, top) in enumerate(entries):
+        last = i == len(entries) - 1
+        events.append(TokenEvent(token_id=ids[i] if i < len(ids) else 0, text=text if last else "",
+                                 token_text=token_text, logprob=logprob, top_logprobs=top))
+    events[-1].finish_reason = reason
+    events[-1].stop_string = stop_string
+    return events
+
+
+def _logprob_entries(logprobs: Any, chat: bool) -> list[tuple[str, float | None, list[TokenLogprob]]]:
+    if not isinstance(logprobs, dict):
+        return []
+    if chat:
+        return [(e.get("token", ""), e.get("logprob"),
+                 [TokenLogprob(0, t.get("token", ""), t.get("logprob")) for t in e.get("top_logprobs") or []])
+                for e in logprobs.get("content") or []]
+    tokens = logprobs.get("tokens") or []
+    values = logprobs.get("token_logprobs") or []
+    tops = logprobs.get("top_logprobs") or []
+    return [(tok, values[i] if i < len(values) else None,
+             [TokenLogprob(0, t, v) for t, v in (tops[i] or {}).items()] if i < len(tops) and tops[i] else [])
+            for i, tok in enumerate(tokens)]

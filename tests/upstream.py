@@ -1,0 +1,119 @@
+"""A local HTTP server that replays recorded upstream traffic byte for byte.
+
+Each route answers with a scripted status, headers and body pieces; a piece is bytes to write
+(as its own chunk, so events can be split across reads anywhere), a float to sleep, or CUT to
+drop the connection mid-stream. Every request is recorded for assertions on what was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+CUT = object()
+
+
+@dataclass
+class Reply:
+    pieces: list[Any]
+    status: int = 200
+    content_type: str = "text/event-stream"
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class ScriptedUpstream:
+    routes: dict[tuple[str, str], Reply]
+    requests: list[Recorded] = field(default_factory=list)
+    port: int = 0
+    broken_writes: int = 0  # responses the client hung up on before the end
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def sent(self, path: str) -> list[Any]:
+        return [r.json() for r in self.requests if r.path == path]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode().split("\r\n")
+            method, path, _ = lines[0].split(" ", 2)
+            headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+            self.requests.append(Recorded(method, path, headers, body))
+            reply = self.routes.get((method, path)) or Reply([b'{"error":"no such route"}'], 404, "application/json")
+            writer.write(f"HTTP/1.1 {reply.status} X\r\ncontent-type: {reply.content_type}\r\n"
+                         f"transfer-encoding: chunked\r\nconnection: close\r\n\r\n".encode())
+            await writer.drain()
+            for piece in reply.pieces:
+                if piece is CUT:
+                    writer.close()
+                    return
+                if isinstance(piece, float):
+                    await asyncio.sleep(piece)
+                    continue
+                if writer.is_closing() or reader.at_eof():
+                    raise ConnectionResetError
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except ConnectionError:
+            self.broken_writes += 1
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
+
+
+@contextmanager
+def scripted_upstream(routes: dict[tuple[str, str], Reply]) -> Iterator[ScriptedUpstream]:
+    upstream = ScriptedUpstream(routes)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+
+    async def serve() -> None:
+        server = await asyncio.start_server(upstream._handle, "127.0.0.1", 0)
+        upstream.port = server.sockets[0].getsockname()[1]
+        started.set()
+        async with server:
+            with contextlib.suppress(asyncio.CancelledError):
+                await server.serve_forever()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    started.wait(10)
+    try:
+        yield upstream
+    finally:
+        loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
+        thread.join(5)
+
+
+def sse(*payloads: Any, crlf: bool = False) -> bytes:
+    end = b"\r\n" if crlf else b"\n"
+    return b"".join(b"data: " + (p if isinstance(p, bytes) else json.dumps(p, separators=(",", ":")).encode())
+                    + end + end for p in payloads)
+
+
+def split_every(data: bytes, size: int) -> list[bytes]:
+    """Cut a recording into network reads of `size` bytes: events split anywhere."""
+    return [data[i:i + size] for i in range(0, len(data), size)]
