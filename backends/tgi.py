@@ -100,7 +100,7 @@ class TgiBackend:
 
     def _chat_body(self, r: GenerationRequest) -> dict[str, Any]:
         return drop_none({
-            "model": "tgi", "messages": [{"role": m.role, "content": m.content} for m in r.messages or []],
+            "messages": [{"role": m.role, "content": m.content} for m in r.messages or []],
             "stream": True, "stream_options": {"include_usage": True}, "max_tokens": r.max_new_tokens,
             "temperature": r.temperature, "top_p": r.top_p if 0.0 < r.top_p < 1.0 else None, "seed": r.seed,
             "stop": list(r.stop) or None, "frequency_penalty": r.frequency_penalty or None,

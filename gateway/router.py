@@ -53,6 +53,8 @@ class Router:
 
     def resolve(self, name: str | None) -> ModelRoute | None:
         found = self.config.resolve_model(name)
+        if found is None and name == "tgi":  # TGI's docs tell clients to call the default model "tgi"
+            found = self.config.resolve_model(None)
         if found is None:
             return None
         canonical, model = found
