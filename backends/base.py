@@ -51,6 +51,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     prompt_logprobs: bool = False
     deadline: float | None = None  # time.monotonic() after which the request times out
     traceparent: str | None = None  # W3C trace context, forwarded to remote backends
+    stream: bool = True  # whether the client streams; a remote backend may then skip upstream streaming
 
     @property
     def greedy(self) -> bool:

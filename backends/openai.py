@@ -26,10 +26,12 @@ from backends.base import (
 )
 from backends.http import (
     HttpSettings,
+    drain,
     drop_none,
     error_for_status,
     make_client,
     open_stream,
+    read_body,
     timed_events,
     trace_headers,
 )
@@ -119,11 +121,19 @@ class OpenAIBackend:
         path, body = ("/v1/chat/completions", self._chat_body(request)) if chat else \
             ("/v1/completions", self._completion_body(request))
         started = time.monotonic()
+        if not request.stream:  # nobody sees tokens before the end: one JSON answer costs less than a stream
+            body["stream"] = False
+            body.pop("stream_options", None)
+            async for event in self._whole(path, body, request, chat):
+                yield event
+            return
         async with open_stream(self.client, self.name, path, body, trace_headers(request)) as response:
             final: TokenEvent | None = None
             count = 0
-            async for sse in timed_events(response, self.settings, self.name, started):
+            events = timed_events(response, self.settings, self.name, started)
+            async for sse in events:
                 if sse.data.strip() == "[DONE]":
+                    await drain(events)
                     break
                 chunk = _decode(sse.data, self.name)
                 if chunk.get("error") is not None or chunk.get("object") == "error":
@@ -143,6 +153,28 @@ class OpenAIBackend:
                 if final.usage is None:
                     final.usage = Usage(0, count)
                 yield final
+
+
+    async def _whole(self, path: str, body: dict[str, Any], request: GenerationRequest,
+                     chat: bool) -> AsyncIterator[TokenEvent]:
+        async with open_stream(self.client, self.name, path, body, trace_headers(request)) as response:
+            payload = _decode((await read_body(response, self.settings, self.name)).decode(), self.name)
+        if payload.get("error") is not None or payload.get("object") == "error":
+            raise _stream_error(payload, self.name)
+        choices = payload.get("choices") or []
+        if not choices:
+            raise error_for_status(502, "the answer has no choices", self.name)
+        choice = dict(choices[0])
+        if chat:  # a whole message reads like one big delta
+            choice["delta"] = choice.pop("message", None) or {}
+        events = _events(choice, chat)
+        if not events or not events[-1].finished:
+            raise error_for_status(502, "the answer has no finish_reason", self.name)
+        usage = payload.get("usage") or {}
+        events[-1].usage = Usage(int(usage.get("prompt_tokens") or 0),
+                                 int(usage.get("completion_tokens") or len(events)))
+        for event in events:
+            yield event
 
 
 def _decode(data: str, backend: str) -> dict[str, Any]:

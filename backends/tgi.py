@@ -25,6 +25,7 @@ from backends.base import (
 )
 from backends.http import (
     HttpSettings,
+    drain,
     drop_none,
     error_for_status,
     make_client,
@@ -167,8 +168,10 @@ class TgiBackend:
             final: TokenEvent | None = None
             count = 0
             text = UpstreamText(request.stop)  # TGI keeps a matched stop sequence in its chat text too
-            async for sse in timed_events(response, self.settings, self.name, started):
+            events = timed_events(response, self.settings, self.name, started)
+            async for sse in events:
                 if sse.data.strip() == "[DONE]":
+                    await drain(events)
                     break
                 chunk = _decode(sse.data, self.name)
                 if "error" in chunk:

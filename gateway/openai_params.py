@@ -104,7 +104,8 @@ def core_request(req: SamplingExtras, route: ModelRoute, server: ServerConfig, *
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
         seed=req.seed, max_new_tokens=new_tokens, min_tokens=min(req.min_tokens or 0, new_tokens),
         stop=stop_list(req.stop, server), stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=bool(req.ignore_eos), logprobs=logprobs, top_logprobs=top_logprobs, traceparent=traceparent)
+        ignore_eos=bool(req.ignore_eos), logprobs=logprobs, top_logprobs=top_logprobs, traceparent=traceparent,
+        stream=bool(req.stream))
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -21,29 +21,36 @@ def sse_event(payload: Any) -> bytes:
 
 
 async def with_keepalive(events: AsyncIterator[bytes], interval: float = 15.0) -> AsyncIterator[bytes]:
-    """Pass events through; send a keep-alive comment whenever `interval` seconds pass without one."""
-    iterator = events.__aiter__()
-    pending: asyncio.Task[bytes] | None = None
+    """Pass events through; send a keep-alive comment whenever `interval` seconds pass without one.
+
+    One producer task per stream feeds a queue; waiting on the queue can time out without
+    disturbing the producer (cancelling a pending `__anext__` would close the stream).
+    """
+    queue: asyncio.Queue[tuple[bytes | None, BaseException | None]] = asyncio.Queue(maxsize=64)
+
+    async def produce() -> None:
+        try:
+            async for item in events:
+                await queue.put((item, None))
+            await queue.put((None, None))
+        except Exception as exc:
+            await queue.put((None, exc))
+
+    producer = asyncio.create_task(produce())
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(iterator.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
+            try:
+                async with asyncio.timeout(interval):
+                    item, error = await queue.get()
+            except TimeoutError:
                 yield KEEPALIVE
                 continue
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
+            if error is not None:
+                raise error
+            if item is None:
                 return
-            finally:
-                pending = None
             yield item
     finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        producer.cancel()
+        with contextlib.suppress(BaseException):
+            await producer

@@ -110,6 +110,6 @@ async def validate_tgi(req: GenerateRequest, route: ModelRoute, server: ServerCo
         repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
         frequency_penalty=p.frequency_penalty or 0.0, seed=p.seed, max_new_tokens=max_new, stop=list(p.stop),
         logprobs=True, top_logprobs=p.top_n_tokens or 0,
-        prompt_logprobs=p.decoder_input_details and want_details, traceparent=traceparent)
+        prompt_logprobs=p.decoder_input_details and want_details, traceparent=traceparent, stream=stream)
     return_full_text = p.return_full_text if p.return_full_text is not None else compat
     return ValidTgiRequest(core, p, p.best_of or 1, n_input, return_full_text, sampling)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tests.upstream import CUT, Reply, split_every, sse
+import json
+
+from tests.upstream import CUT, Reply, by_stream, split_every, sse
 
 TOKENS = [(9, "Hello", -0.1), (10, " world", -0.2), (11, "!", -0.3)]
 TEXT = "Hello world!"
@@ -77,12 +79,27 @@ def trtllm_chunks(kind: str) -> list[dict]:
     return chunks
 
 
+def trtllm_whole(kind: str) -> bytes:
+    """A non-streamed answer: the whole message, finish reason and usage in one JSON object."""
+    usage = {"prompt_tokens": 4, "total_tokens": 7, "completion_tokens": 3}
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": TEXT}, "logprobs": None,
+                  "finish_reason": "stop", "stop_reason": None}
+    else:
+        choice = {"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop", "stop_reason": None}
+    return json.dumps({"id": "cmpl-7", "object": "chat.completion" if kind == "chat" else "text_completion",
+                       "created": 1, "model": "llama", "choices": [choice], "usage": usage}).encode()
+
+
 def trtllm_routes() -> dict:
     return {
         ("GET", "/v1/models"): Reply([b'{"object":"list","data":[{"id":"llama","object":"model"}]}'], 200,
                                      "application/json"),
-        ("POST", "/v1/chat/completions"): Reply([sse(*trtllm_chunks("chat"), b"[DONE]")]),
-        ("POST", "/v1/completions"): Reply(split_every(sse(*trtllm_chunks("completions"), b"[DONE]"), 5)),
+        ("POST", "/v1/chat/completions"): by_stream(Reply([sse(*trtllm_chunks("chat"), b"[DONE]")]),
+                                                    Reply([trtllm_whole("chat")], 200, "application/json")),
+        ("POST", "/v1/completions"): by_stream(
+            Reply(split_every(sse(*trtllm_chunks("completions"), b"[DONE]"), 5)),
+            Reply(split_every(trtllm_whole("completions"), 9), 200, "application/json")),
     }
 
 
@@ -110,7 +127,9 @@ FAILURES = {
     "triton_error_in_200": {("POST", "/v2/models/ensemble/generate_stream"): Reply([sse(
         {"model_name": "ensemble", "model_version": "1", "text_output": "Hello"},
         {"error": "in-flight batcher failed"})])},
-    "trtllm_cut": both_openai_routes(lambda kind: Reply([sse(*trtllm_chunks(kind)[:2]), CUT])),
+    "trtllm_cut": both_openai_routes(lambda kind: by_stream(Reply([sse(*trtllm_chunks(kind)[:2]), CUT]),
+                                                            Reply([trtllm_whole(kind)[:20], CUT], 200,
+                                                                  "application/json"))),
     # after one token: keep-alive comments every 0.1 s (not events, so the idle timeout still runs)
     "hang": both_openai_routes(lambda kind: Reply([sse(*trtllm_chunks(kind)[:2])] + [0.1, b":\n\n"] * 300)),
     "trtllm_truncated": both_openai_routes(lambda kind: Reply([sse(*trtllm_chunks(kind)[:2])])),

@@ -39,7 +39,7 @@ class Recorded:
 
 @dataclass
 class ScriptedUpstream:
-    routes: dict[tuple[str, str], Reply]
+    routes: dict[tuple[str, str], Any]  # a Reply, or a function of the request's JSON body to one
     requests: list[Recorded] = field(default_factory=list)
     port: int = 0
     broken_writes: int = 0  # responses the client hung up on before the end
@@ -60,6 +60,8 @@ class ScriptedUpstream:
             body = await reader.readexactly(int(headers.get("content-length", "0")))
             self.requests.append(Recorded(method, path, headers, body))
             reply = self.routes.get((method, path)) or Reply([b'{"error":"no such route"}'], 404, "application/json")
+            if callable(reply):
+                reply = reply(json.loads(body) if body else {})
             writer.write(f"HTTP/1.1 {reply.status} X\r\ncontent-type: {reply.content_type}\r\n"
                          f"transfer-encoding: chunked\r\nconnection: close\r\n\r\n".encode())
             await writer.drain()
@@ -85,7 +87,7 @@ class ScriptedUpstream:
 
 
 @contextmanager
-def scripted_upstream(routes: dict[tuple[str, str], Reply]) -> Iterator[ScriptedUpstream]:
+def scripted_upstream(routes: dict[tuple[str, str], Any]) -> Iterator[ScriptedUpstream]:
     upstream = ScriptedUpstream(routes)
     loop = asyncio.new_event_loop()
     started = threading.Event()
@@ -106,6 +108,11 @@ def scripted_upstream(routes: dict[tuple[str, str], Reply]) -> Iterator[Scripted
     finally:
         loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
         thread.join(5)
+
+
+def by_stream(stream: Reply, whole: Reply):  # noqa: ANN201
+    """Answer a request by its `stream` flag, as an OpenAI-compatible server does."""
+    return lambda body: stream if body.get("stream") else whole
 
 
 def sse(*payloads: Any, crlf: bool = False) -> bytes:
