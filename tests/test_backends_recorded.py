@@ -20,7 +20,7 @@ from tests.upstream import ScriptedUpstream, scripted_upstream
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\\n{% endfor %}assistant:"
 REMOTE = {"tgi": ("tgi", tgi_routes, ""), "triton": ("triton", triton_ensemble_routes, 'dialect = "ensemble"\n'),
           "llmapi": ("triton", triton_llmapi_routes, 'model = "tensorrt_llm"\ndialect = "llmapi"\n'),
-          "trtllm": ("openai", trtllm_routes, 'model = "llama"\nflavor = "trtllm"\n')}
+          "trtllm": ("openai", trtllm_routes, 'model = "llama"\nflavor = "trtllm"\napi_key_env = "TRT_KEY"\n')}
 FAILURE_TYPES = {"tgi": "tgi", "triton": "triton", "trtllm": "openai", "vllm": "openai", "hang": "openai",
                  "slow": "openai"}
 
@@ -45,7 +45,8 @@ def remote(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Iterat
             upstreams[name] = stack.enter_context(scripted_upstream(routes))
             kind = FAILURE_TYPES[name.split("_")[0]]
             config += backend_table(name, kind, upstreams[name].url, 'model = "llama"\n' if kind == "openai" else "")
-        url = stack.enter_context(running_gateway(config, tmp_path_factory.mktemp("remote"), wait_healthy=False))
+        url = stack.enter_context(running_gateway(config, tmp_path_factory.mktemp("remote"), wait_healthy=False,
+                                                  env={"TRT_KEY": "sk-upstream-secret"}))
         for _ in range(300):  # the engine loads in the background; the recorded upstreams are up already
             if httpx.post(f"{url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}}).status_code \
                     == 200:
@@ -168,6 +169,15 @@ def test_usage_and_finish_come_from_the_upstream(remote: tuple[str, dict]) -> No
     assert details["finish_reason"] == "length" and [t["id"] for t in details["tokens"]] == [9, 10, 11]
     llm = httpx.post(f"{url}/models/m-llmapi/generate", json={"inputs": "Hi", "parameters": {"details": True}}).json()
     assert llm["details"]["finish_reason"] == "length"  # the LLM-API model reports it
+
+
+def test_api_key_comes_from_the_environment_and_the_clients_own_is_not_forwarded(remote: tuple[str, dict]) -> None:
+    url, upstreams = remote
+    httpx.post(f"{url}/v1/chat/completions", headers={"authorization": "Bearer client-key"},
+               json={"model": "m-trtllm", "messages": [{"role": "user", "content": "Hi"}]})
+    assert upstreams["trtllm"].requests[-1].headers["authorization"] == "Bearer sk-upstream-secret"
+    httpx.post(f"{url}/models/m-tgi/generate", headers={"authorization": "Bearer client-key"}, json={"inputs": "Hi"})
+    assert "authorization" not in upstreams["tgi"].requests[-1].headers
 
 
 def test_traceparent_is_forwarded_upstream(remote: tuple[str, dict]) -> None:
