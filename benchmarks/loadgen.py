@@ -32,7 +32,8 @@ class Result:
 
     def summary(self) -> dict[str, float]:
         return {"requests": len(self.latencies), "errors": self.errors, "req_per_s": self.rate,
-                "latency_p50_ms": 1000 * self.p(self.latencies, 0.5), "latency_p90_ms": 1000 * self.p(self.latencies, 0.9),
+                "latency_p50_ms": 1000 * self.p(self.latencies, 0.5),
+                "latency_p90_ms": 1000 * self.p(self.latencies, 0.9),
                 "latency_mean_ms": 1000 * statistics.fmean(self.latencies) if self.latencies else float("nan"),
                 "ttft_p50_ms": 1000 * self.p(self.ttfts, 0.5), "ttft_p90_ms": 1000 * self.p(self.ttfts, 0.9)}
 
