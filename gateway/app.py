@@ -15,6 +15,7 @@ from backends.base import Backend
 from gateway import __version__
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
+from gateway.generation import ClientGone
 from gateway.routes.openai import OpenAIController
 from gateway.routes.tgi import TgiController
 from gateway.state import Gateway
@@ -62,6 +63,11 @@ def _on_http_error(request: Request, exc: HTTPException) -> Response:
     return Response({"error": str(detail), "error_type": kind.get(status, "validation")}, status_code=status)
 
 
+def _on_client_gone(request: Request, exc: ClientGone) -> Response:
+    # nobody reads this: the client has gone; the work was cancelled and its resources freed
+    return Response(b"", status_code=499)
+
+
 def _on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
     return _respond(request, GatewayError(f"internal error ({type(exc).__name__})", kind="internal"))
@@ -87,6 +93,7 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
         lifespan=[lifespan],
         exception_handlers={
             GatewayError: _on_gateway_error,
+            ClientGone: _on_client_gone,
             ValidationException: _on_validation_error,
             HTTPException: _on_http_error,
             Exception: _on_unexpected,

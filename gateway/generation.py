@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from backends.base import BackendError, GenerationRequest, TokenEvent, TokenLogprob, Usage, describe
 from gateway.errors import GatewayError
 from gateway.router import ModelRoute
 
 log = logging.getLogger("llmgw")
+T = TypeVar("T")
 
 
 async def tokenize_prompt(route: ModelRoute, text: str, add_special_tokens: bool = True) -> list[int] | None:
@@ -77,6 +79,32 @@ async def collect(stream: AsyncIterator[TokenEvent]) -> Collected:
         if not event.special:
             result.token_text += event.token_text
     return result
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streaming) answer was ready."""
+
+
+async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (aborting the engine request or closing the upstream one) if the
+    client hangs up first. The request body has been read, so the next ASGI message is a disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone
 
 
 async def merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tuple[int, TokenEvent]]:

@@ -255,3 +255,16 @@ def test_client_going_away_closes_the_upstream_request(remote: tuple[str, dict])
     while hang.broken_writes == before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert hang.broken_writes == before + 1
+
+
+def test_client_going_away_cancels_a_non_streaming_request_upstream(remote: tuple[str, dict]) -> None:
+    url, upstreams = remote
+    hang = upstreams["hang"]
+    before = hang.broken_writes
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.3 s and hangs up
+        httpx.post(f"{url}/v1/chat/completions", timeout=0.3,
+                   json={"model": "m-hang", "messages": [{"role": "user", "content": "Hi"}]})
+    deadline = time.monotonic() + 1.2  # before the gateway's own 2 s first-token timeout would close it
+    while hang.broken_writes == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert hang.broken_writes == before + 1

@@ -14,7 +14,7 @@ from litestar.response import Stream
 from backends.base import GenerationRequest, TokenEvent
 from gateway import __version__
 from gateway.errors import GatewayError
-from gateway.generation import Collected, collect, merge, run_stream, tokenize_prompt
+from gateway.generation import Collected, collect, merge, run_stream, tokenize_prompt, unless_disconnected
 from gateway.openai_params import (
     FINISH_REASONS,
     chat_messages,
@@ -112,7 +112,8 @@ class OpenAIController(Controller):
                                        want_logprobs, include_usage)
             return Stream(with_keepalive(events), media_type="text/event-stream", headers=SSE_HEADERS)
         with gateway.admit():
-            results = await asyncio.gather(*(collect(run_stream(route, r)) for r in requests))
+            results = await unless_disconnected(
+                request.receive, asyncio.gather(*(collect(run_stream(route, r)) for r in requests)))
         choices = [ChatChoice(index=i, message=ResponseMessage(role="assistant", content=r.text),
                               logprobs=_chat_logprobs(r.events) if want_logprobs else None,
                               finish_reason=FINISH_REASONS[str(r.last.finish_reason)])
@@ -178,7 +179,8 @@ class OpenAIController(Controller):
                                              data.logprobs, include_usage, n)
             return Stream(with_keepalive(events), media_type="text/event-stream", headers=SSE_HEADERS)
         with gateway.admit():
-            results = await asyncio.gather(*(collect(run_stream(route, r)) for r in requests))
+            results = await unless_disconnected(
+                request.receive, asyncio.gather(*(collect(run_stream(route, r)) for r in requests)))
         choices = [CompletionChoice(index=i, text=echoes[i] + r.text,
                                     logprobs=self._legacy_logprobs(r.events, len(echoes[i]))
                                     if data.logprobs is not None else None,

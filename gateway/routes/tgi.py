@@ -16,7 +16,7 @@ from litestar.response import Stream
 from backends.base import TokenEvent, TokenLogprob
 from gateway import __version__
 from gateway.errors import GatewayError
-from gateway.generation import Collected, collect, run_stream
+from gateway.generation import Collected, collect, run_stream, unless_disconnected
 from gateway.protocol.tgi import (
     BestOfSequence,
     CompatGenerateRequest,
@@ -144,7 +144,7 @@ class TgiController(Controller):
             v = await validate_tgi(data, route, gw.config.server, stream=False, compat=compat,
                                    traceparent=request.headers.get("traceparent"))
             validated = time.perf_counter()
-            response, result = await _generate(gw, route, v)
+            response, result = await unless_disconnected(request.receive, _generate(gw, route, v))
         headers = _timing_headers(started, validated, result, data.inputs)
         return Response([response] if compat else response, headers=headers, status_code=200)
 
