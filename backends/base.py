@@ -119,9 +119,16 @@ class BackendInfo(msgspec.Struct, frozen=True, kw_only=True):
 class BackendError(Exception):
     kind: ClassVar[str] = "upstream"
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.status = status  # the upstream's HTTP status, where there was one
+
+    @property
+    def retriable(self) -> bool:
+        """Worth trying another backend: it could not answer, not "the request is wrong"."""
+        return self.kind in ("unavailable", "overloaded", "timeout") or \
+            (self.kind == "upstream" and (self.status is None or self.status >= 500))
 
 
 class BackendValidationError(BackendError):

@@ -86,12 +86,12 @@ def error_message(body: bytes) -> str:
 def error_for_status(status: int, message: str, backend: str) -> BackendError:
     text = f"{backend}: upstream answered {status}: {message}"
     if status in (400, 413, 422):
-        return BackendValidationError(message)
+        return BackendValidationError(message, status)
     if status == 429:
-        return BackendOverloadedError(text)
+        return BackendOverloadedError(text, status)
     if status in (502, 503, 504):
-        return BackendUnavailableError(text)
-    return UpstreamError(text)
+        return BackendUnavailableError(text, status)
+    return UpstreamError(text, status)
 
 
 @asynccontextmanager

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from litestar import Litestar, Request, Response
 from litestar.di import Provide
@@ -13,15 +17,24 @@ from litestar.openapi import OpenAPIConfig
 
 from backends.base import Backend
 from gateway import __version__
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import GatewayError
 from gateway.generation import ClientGone
+from gateway.routes.admin import AdminController
 from gateway.routes.openai import OpenAIController
 from gateway.routes.tgi import TgiController
 from gateway.state import Gateway
 
 log = logging.getLogger("llmgw")
 MAX_BODY_BYTES = 2_000_000  # TGI's default --payload-limit
+
+
+async def _reload_logged(gateway: Gateway) -> None:
+    try:
+        config = await gateway.reload()
+        log.info("SIGHUP: config %s active", config.version)
+    except ConfigError as exc:
+        log.error("SIGHUP: config refused, nothing changed: %s", exc)
 
 
 def _is_openai(request: Request) -> bool:
@@ -73,22 +86,28 @@ def _on_unexpected(request: Request, exc: Exception) -> Response:
     return _respond(request, GatewayError(f"internal error ({type(exc).__name__})", kind="internal"))
 
 
-def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None) -> Litestar:
-    gateway = Gateway(config, backends)
+def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None,
+               config_path: str | Path | None = None) -> Litestar:
+    gateway = Gateway(config, backends, config_path)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         gateway.start_backends()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGHUP reloads the config file
+            loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload_logged(gateway)))
         try:
             yield
         finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGHUP)
             await gateway.aclose()
 
     def provide_gateway() -> Gateway:
         return gateway
 
     app = Litestar(
-        route_handlers=[TgiController, OpenAIController],
+        route_handlers=[TgiController, OpenAIController, AdminController],
         dependencies={"gateway": Provide(provide_gateway, sync_to_thread=False)},
         lifespan=[lifespan],
         exception_handlers={

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 
 from gateway.config import ConfigError, load_config
+from gateway.migration_report import format_report
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -20,13 +23,35 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     print(config.describe(), file=sys.stderr)
-    uvicorn.run(create_app(config), host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    uvicorn.run(create_app(config, config_path=args.config), host=host, port=port, log_level=args.log_level,
+                timeout_graceful_shutdown=30)
     return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:
     config = load_config(args.path)
     print(config.describe())
+    return 0
+
+
+def _migration_report(args: argparse.Namespace) -> int:
+    import httpx
+
+    key = args.admin_key or os.environ.get("LLMGW_ADMIN_KEY", "")
+    try:
+        response = httpx.get(f"{args.url.rstrip('/')}/admin/migrations", headers={"authorization": f"Bearer {key}"},
+                             timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"llmgw: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if response.status_code != 200:
+        print(f"llmgw: {response.status_code}: {response.text}", file=sys.stderr)
+        return 1
+    report = response.json()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(format_report(report))
     return 0
 
 
@@ -42,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check-config", help="validate a config file and print what it would serve")
     check.add_argument("path")
     check.set_defaults(func=_check_config)
+    report = sub.add_parser("migration-report", help="show a running gateway's shadow-traffic parity report")
+    report.add_argument("--url", required=True)
+    report.add_argument("--admin-key", default=None, help="default: $LLMGW_ADMIN_KEY")
+    report.add_argument("--json", action="store_true")
+    report.set_defaults(func=_migration_report)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -6,6 +6,7 @@ ConfigError for a bad file.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tomllib
 from pathlib import Path
@@ -29,10 +30,32 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_best_of: int = 2
     max_client_batch_size: int = 4
     max_n: int = 16  # OpenAI `n`
+    admin_key: str | None = None  # for /admin/*; or the name of an environment variable in admin_key_env
+    admin_key_env: str | None = None
+    health_check_interval: float = 10.0  # seconds between active health checks of every backend
+    eject_after_failures: int = 3  # consecutive failures that open a backend's circuit...
+    eject_cooldown: float = 30.0  # ...for this many seconds
+    watch_config: bool = False  # reload when the config file changes (polled once a second)
+    sticky_header: str = "x-session-id"  # the request header that `sticky = "header"` reads
+
+
+class WeightedRoute(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    backend: str
+    weight: float = 1.0
+
+
+class ShadowConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    backend: str
+    sample: float = 1.0  # share of requests mirrored
+    max_concurrency: int = 4  # mirrored requests in flight at once; over it they are dropped (and counted)
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    backend: str
+    backend: str | None = None  # one backend, or:
+    routes: list[WeightedRoute] = []  # a weighted split across backends
+    sticky: str | None = None  # "header" (server.sticky_header) or "user" (OpenAI `user`): same key, same backend
+    fallback: list[str] = []  # tiers tried in order when the chosen backend fails before the first token
+    shadow: ShadowConfig | None = None  # mirror a sample of requests to a candidate backend
     aliases: list[str] = []
     max_input_tokens: int | None = None  # default: max_total_tokens - 1
     max_total_tokens: int | None = None  # default: the backend's context length
@@ -53,6 +76,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     models: dict[str, ModelConfig]
     default_model: str
     source: str = "<memory>"
+    version: str = "0"  # a digest of the file's text: what `x-config-version` reports
 
     def resolve_model(self, name: str | None) -> tuple[str, ModelConfig] | None:
         """The canonical model name and its settings for a name or alias; None if unknown."""
@@ -68,11 +92,21 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     def describe(self) -> str:
         lines = [f"config {self.source}: {len(self.models)} model(s), {len(self.backends)} backend(s)"]
         for name, model in self.models.items():
-            backend = self.backends[model.backend]
             default = " (default)" if name == self.default_model else ""
             aliases = f" aliases={model.aliases}" if model.aliases else ""
-            lines.append(f"  model {name}{default} -> backend {backend.name} (type {backend.type}){aliases}")
+            if model.backend:
+                split = f"backend {model.backend} (type {self.backends[model.backend].type})"
+            else:
+                split = "routes " + ", ".join(f"{r.backend} (type {self.backends[r.backend].type}) weight {r.weight:g}"
+                                              for r in model.routes)
+            extra = (f" fallback={model.fallback}" if model.fallback else "") + \
+                (f" shadow={model.shadow.backend}@{model.shadow.sample:g}" if model.shadow else "")
+            lines.append(f"  model {name}{default} -> {split}{aliases}{extra}")
         return "\n".join(lines)
+
+
+def primary_routes(model: ModelConfig) -> list[WeightedRoute]:
+    return list(model.routes) if model.routes else [WeightedRoute(model.backend or "", 1.0)]
 
 
 _TOP_LEVEL = {"server", "backends", "models", "default_model"}
@@ -135,9 +169,7 @@ def parse_config(text: str, source: str = "<memory>") -> GatewayConfig:
     seen_names: dict[str, str] = {}
     for name, table in raw_models.items():
         model = _convert(table, ModelConfig, f"models.{name}")
-        if model.backend not in backends:
-            raise ConfigError(f"models.{name}.backend: no backend named {model.backend!r} "
-                              f"(defined: {sorted(backends)})")
+        _check_routing(name, model, backends)
         for i, alias in enumerate([name, *model.aliases]):
             if alias in seen_names:
                 key = f"models.{name}" + (f".aliases[{i - 1}]" if i else "")
@@ -152,7 +184,27 @@ def parse_config(text: str, source: str = "<memory>") -> GatewayConfig:
     if default_model not in seen_names:
         raise ConfigError(f"default_model: no model named {default_model!r} (defined: {sorted(models)})")
     return GatewayConfig(server=server, backends=backends, models=models, default_model=seen_names[default_model],
-                         source=source)
+                         source=source, version=hashlib.sha256(text.encode()).hexdigest()[:12])
+
+
+def _check_routing(name: str, model: ModelConfig, backends: dict[str, BackendEntry]) -> None:
+    key = f"models.{name}"
+    if (model.backend is None) == (not model.routes):
+        raise ConfigError(f"{key}: give either `backend` or `routes`, not both and not neither")
+    named = [("backend", model.backend)] if model.backend else []
+    named += [(f"routes[{i}].backend", r.backend) for i, r in enumerate(model.routes)]
+    named += [(f"fallback[{i}]", b) for i, b in enumerate(model.fallback)]
+    named += [("shadow.backend", model.shadow.backend)] if model.shadow else []
+    for where, backend in named:
+        if backend not in backends:
+            raise ConfigError(f"{key}.{where}: no backend named {backend!r} (defined: {sorted(backends)})")
+    for i, route in enumerate(model.routes):
+        if route.weight <= 0:
+            raise ConfigError(f"{key}.routes[{i}].weight: must be > 0, got {route.weight:g}")
+    if model.sticky not in (None, "header", "user"):
+        raise ConfigError(f"{key}.sticky: must be \"header\" or \"user\", got {model.sticky!r}")
+    if model.shadow and not 0.0 <= model.shadow.sample <= 1.0:
+        raise ConfigError(f"{key}.shadow.sample: must be in [0, 1], got {model.shadow.sample:g}")
 
 
 def _check_limits(name: str, model: ModelConfig) -> None:

@@ -1,17 +1,31 @@
-"""What both front doors do with a backend stream: tokenize, run, aggregate, merge."""
+"""What both front doors do with backends: tokenize, start (with fallback tiers), relay, aggregate, merge."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from backends.base import BackendError, GenerationRequest, TokenEvent, TokenLogprob, Usage, describe
+from backends.base import (
+    Backend,
+    BackendError,
+    GenerationRequest,
+    TokenEvent,
+    TokenLogprob,
+    UpstreamError,
+    Usage,
+    describe,
+)
 from gateway.errors import GatewayError
 from gateway.router import ModelRoute
+from gateway.shadow import tap
+
+if TYPE_CHECKING:
+    from gateway.state import Gateway
 
 log = logging.getLogger("llmgw")
 T = TypeVar("T")
@@ -29,23 +43,88 @@ async def tokenize_prompt(route: ModelRoute, text: str, add_special_tokens: bool
     return [s.id for s in spans]
 
 
-async def run_stream(route: ModelRoute, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-    """The backend's events, with its errors typed for the front doors; ends with one finished event."""
-    finished = False
+@dataclass
+class Served:
+    backend: str  # the backend that answered (x-backend)
+    events: AsyncIterator[TokenEvent]  # its whole stream, first event included
+
+
+async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> Served:
+    """Send the request to the route's first tier; when it fails before its first token (cannot
+    connect, 5xx, 429, first-token timeout) go on to the next. The stream returned has its first
+    token in hand: after that nothing is retried, and a failure ends it with a typed error."""
+    sent = time.perf_counter()
+    last: BackendError | None = None
+    for name, backend in route.tiers:
+        gw.acquire(backend)
+        stream = backend.generate(request).__aiter__()
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            error: BackendError = UpstreamError(f"{name}: the stream ended before any token")
+        except BackendError as exc:
+            error = exc
+        except BaseException:  # cancelled (the client left) or a backend bug: no other tier
+            gw.release(backend)
+            with contextlib.suppress(BaseException):
+                await stream.aclose()
+            raise
+        else:
+            gw.health.record_success(name)
+            events = _relay(gw, name, backend, first, stream)
+            if route.shadow is not None and route.config.shadow is not None:
+                pair = gw.shadows.mirror(route.name, name, route.shadow, route.config.shadow.max_concurrency,
+                                         request)
+                if pair is not None:
+                    events = tap(events, pair, sent)
+            return Served(name, events)
+        gw.release(backend)
+        with contextlib.suppress(BaseException):
+            await stream.aclose()
+        if not error.retriable:
+            raise GatewayError.from_backend(error) from None
+        gw.health.record_failure(name)
+        last = error
+        if len(route.tiers) > 1:
+            log.warning("backend %s failed before the first token (%s); trying the next tier", name, error)
+    assert last is not None
+    raise GatewayError.from_backend(last) from None
+
+
+async def _relay(gw: Gateway, name: str, backend: Backend, first: TokenEvent,
+                 stream: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+    """The stream after its first token, errors typed for the front doors; ends with one finished event."""
+    finished = first.finished
     try:
-        async for event in route.backend.generate(request):
+        yield first
+        while not finished:
+            try:
+                event = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+            finished = event.finished
             yield event
-            if event.finished:
-                finished = True
-                return
     except BackendError as exc:
+        if exc.retriable:
+            gw.health.record_failure(name)
         raise GatewayError.from_backend(exc) from None
-    except GatewayError:
+    except (GatewayError, GeneratorExit, asyncio.CancelledError):
         raise
     except Exception as exc:  # a backend bug must still end as one typed error, never a traceback
         raise GatewayError(describe(exc), kind="upstream") from None
+    finally:
+        gw.release(backend)
+        with contextlib.suppress(BaseException):
+            await stream.aclose()  # closes the upstream request, or aborts the engine's
     if not finished:
         raise GatewayError("Incomplete generation stream", kind="upstream")
+
+
+async def generate_whole(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> Collected:
+    served = await start(gw, route, request)
+    result = await collect(served.events)
+    result.backend = served.backend
+    return result
 
 
 @dataclass
@@ -53,6 +132,7 @@ class Collected:
     events: list[TokenEvent] = field(default_factory=list)
     text: str = ""
     token_text: str = ""
+    backend: str = ""
 
     @property
     def last(self) -> TokenEvent:
@@ -79,6 +159,31 @@ async def collect(stream: AsyncIterator[TokenEvent]) -> Collected:
         if not event.special:
             result.token_text += event.token_text
     return result
+
+
+async def gather_all(coros: list[Awaitable[T]]) -> list[T]:
+    """All results, or the first failure with the others cancelled (freeing what they hold)."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coros]  # type: ignore[arg-type]
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+async def start_all(gw: Gateway, route: ModelRoute, requests: list[GenerationRequest]) -> list[Served]:
+    """Start n copies (OpenAI `n`); if one cannot start, close the ones that did."""
+    served: list[Served] = []
+    try:
+        for request in requests:
+            served.append(await start(gw, route, request))
+    except BaseException:
+        for s in served:
+            await s.events.aclose()  # type: ignore[attr-defined]
+        raise
+    return served
 
 
 class ClientGone(Exception):

@@ -1,23 +1,42 @@
-"""Model name → the backend that serves it, with the model's limits."""
+"""Model name → the backends that serve it: a weighted (optionally sticky) choice, then fallback
+tiers, skipping ejected backends; plus the shadow candidate and the model's limits."""
 
 from __future__ import annotations
 
+import hashlib
+import random
 from dataclasses import dataclass
 
 from backends.base import Backend, ChatMessage
 from gateway.chat_template import TemplateError, render_chat
-from gateway.config import GatewayConfig, ModelConfig
+from gateway.config import GatewayConfig, ModelConfig, WeightedRoute, primary_routes
 from gateway.errors import GatewayError
+from gateway.health import HealthTracker
 
 DEFAULT_CONTEXT = 4096  # when neither config nor backend says how long the context is
 
 
 @dataclass(frozen=True)
 class ModelRoute:
+    """One request's route: the chosen backend first, then the fallback tiers."""
+
     name: str
     config: ModelConfig
-    backend: Backend
-    backend_name: str
+    tiers: list[tuple[str, Backend]]
+    shadow: tuple[str, Backend] | None = None
+    config_version: str = "0"
+
+    @property
+    def backend_name(self) -> str:
+        return self.tiers[0][0]
+
+    @property
+    def backend(self) -> Backend:
+        return self.tiers[0][1]
+
+    def served_headers(self, backend: str) -> dict[str, str]:
+        """Who served a response, streaming included: what a migration's dashboards and clients check."""
+        return {"x-backend": backend, "x-config-version": self.config_version}
 
     @property
     def max_total_tokens(self) -> int:
@@ -46,22 +65,53 @@ class ModelRoute:
             raise GatewayError(str(exc), kind="template", param="messages") from None
 
 
+def weighted_choice(routes: list[WeightedRoute], key: str | None, rng: random.Random) -> str:
+    """A backend by weight: at random, or (with a key) the same one for the same key every time."""
+    total = sum(r.weight for r in routes)
+    if key is None:
+        point = rng.random() * total
+    else:  # a stable hash, not Python's salted one: stickiness survives restarts and replicas
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        point = int.from_bytes(digest, "big") / 2**64 * total
+    for route in routes:
+        point -= route.weight
+        if point < 0:
+            return route.backend
+    return routes[-1].backend
+
+
 class Router:
-    def __init__(self, config: GatewayConfig, backends: dict[str, Backend]) -> None:
+    def __init__(self, config: GatewayConfig, backends: dict[str, Backend], health: HealthTracker,
+                 rng: random.Random | None = None) -> None:
         self.config = config
         self.backends = backends
+        self.health = health
+        self.rng = rng or random.Random()
 
-    def resolve(self, name: str | None) -> ModelRoute | None:
+    def resolve(self, name: str | None, header_key: str | None = None,
+                user_key: str | None = None) -> ModelRoute | None:
+        """The route for a model name or alias; `header_key` and `user_key` feed `sticky` models."""
         found = self.config.resolve_model(name)
         if found is None and name == "tgi":  # TGI's docs tell clients to call the default model "tgi"
             found = self.config.resolve_model(None)
         if found is None:
             return None
         canonical, model = found
-        return ModelRoute(canonical, model, self.backends[model.backend], model.backend)
+        routes = primary_routes(model)
+        healthy = [r for r in routes if self.health.available(r.backend)]
+        sticky_key = {"header": header_key, "user": user_key}.get(model.sticky or "")
+        chosen = weighted_choice(healthy or routes, sticky_key, self.rng)
+        order = [chosen] + [b for b in model.fallback if b != chosen]
+        available = [b for b in order if self.health.available(b)]
+        # every tier ejected: try them all anyway rather than refuse outright
+        tiers = [(b, self.backends[b]) for b in (available or order)]
+        shadow = None
+        if model.shadow and model.shadow.backend != chosen and self.rng.random() < model.shadow.sample:
+            shadow = (model.shadow.backend, self.backends[model.shadow.backend])
+        return ModelRoute(canonical, model, tiers, shadow, self.config.version)
 
-    def require(self, name: str | None) -> ModelRoute:
-        route = self.resolve(name)
+    def require(self, name: str | None, header_key: str | None = None, user_key: str | None = None) -> ModelRoute:
+        route = self.resolve(name, header_key, user_key)
         if route is None:
             raise GatewayError(f"The model `{name}` does not exist.", kind="model_not_found", param="model",
                                code="model_not_found")

@@ -1,4 +1,10 @@
-"""The gateway's running state: config snapshot, backends, router and the concurrency limit."""
+"""The gateway's running state: the active config snapshot (config, backends, router), health,
+shadow statistics, the concurrency limit, and hot reload.
+
+A reload validates a whole new config, starts and health-checks new backends, then swaps the
+snapshot in one assignment; requests in flight keep the backends they started on, backends left
+out are closed once idle, and a backend whose settings did not change is kept (no model reload).
+"""
 
 from __future__ import annotations
 
@@ -6,64 +12,213 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 from backends.base import Backend
 from backends.registry import get_backend_class
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig, parse_config, primary_routes
 from gateway.errors import GatewayError
+from gateway.health import HealthTracker
 from gateway.router import Router
+from gateway.shadow import ShadowRecorder
 
 log = logging.getLogger("llmgw")
+START_TIMEOUT = 600.0  # a new backend must be up within this long for a reload to go ahead
+RETIRE_GRACE = 5.0  # requests routed just before a swap may still be validating: wait before closing
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    config: GatewayConfig
+    backends: dict[str, Backend]
+    router: Router
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, backends: dict[str, Backend] | None = None) -> None:
-        self.config = config
-        self.backends = backends if backends is not None else build_backends(config)
-        self.router = Router(config, self.backends)
+    def __init__(self, config: GatewayConfig, backends: dict[str, Backend] | None = None,
+                 config_path: str | Path | None = None) -> None:
+        server = config.server
+        self.health = HealthTracker(server.eject_after_failures, server.eject_cooldown)
+        backends = backends if backends is not None else build_backends(config)
+        self.snapshot = Snapshot(config, backends, Router(config, backends, self.health))
+        self.config_path = Path(config_path) if config_path else None
+        self.shadows = ShadowRecorder()
         self.in_flight = 0
-        self._started: dict[str, bool] = {name: False for name in self.backends}
-        self._start_tasks: list[asyncio.Task[None]] = []
+        self.started: dict[int, bool] = {}  # by id(backend): start() has finished
+        self.users: dict[int, int] = {}  # by id(backend): requests generating on it now
+        self._tasks: list[asyncio.Task[None]] = []
+        self._reload_lock: asyncio.Lock | None = None
+
+    # the active snapshot; read once per request
+
+    @property
+    def config(self) -> GatewayConfig:
+        return self.snapshot.config
+
+    @property
+    def router(self) -> Router:
+        return self.snapshot.router
+
+    @property
+    def backends(self) -> dict[str, Backend]:
+        return self.snapshot.backends
+
+    # lifecycle
 
     def start_backends(self) -> None:
         """Start every backend in the background; the server answers (503 on /health) meanwhile."""
         for name, backend in self.backends.items():
-            self._start_tasks.append(asyncio.create_task(self._start(name, backend)))
+            self._tasks.append(asyncio.create_task(self._start(name, backend)))
+        interval = self.config.server.health_check_interval
+        self._tasks.append(asyncio.create_task(self._check_health(interval)))
+        if self.config.server.watch_config and self.config_path:
+            self._tasks.append(asyncio.create_task(self._watch_file()))
 
-    async def _start(self, name: str, backend: Backend) -> None:
+    async def _start(self, name: str, backend: Backend) -> bool:
         try:
             await backend.start()
-            self._started[name] = True
-            log.info("backend %s (%s) is ready", name, backend.type_name)
         except Exception as exc:
             log.error("backend %s failed to start: %s: %s", name, type(exc).__name__, exc)
+            return False
+        self.started[id(backend)] = True
+        healthy = False
+        with contextlib.suppress(Exception):
+            healthy = await backend.health()
+        self.health.record_check(name, healthy)
+        log.info("backend %s (%s) started; healthy: %s", name, backend.type_name, healthy)
+        return healthy
+
+    async def _check_health(self, interval: float) -> None:
+        """Active health checks: every started backend of the active snapshot, every `interval` s."""
+        while True:
+            await asyncio.sleep(interval)
+            for name, backend in self.snapshot.backends.items():
+                if not self.started.get(id(backend)):
+                    continue
+                healthy = False
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(max(1.0, interval / 2)):
+                        healthy = await backend.health()
+                self.health.record_check(name, healthy)
 
     async def wait_started(self) -> None:
-        await asyncio.gather(*self._start_tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks[: len(self.backends)], return_exceptions=True)
 
-    async def healthy(self) -> bool:
-        for name, backend in self.backends.items():
-            if not self._started[name] or not await backend.health():
+    def healthy(self) -> bool:
+        """Ready when every model has at least one started backend that is not ejected."""
+        snapshot = self.snapshot
+        for model in snapshot.config.models.values():
+            names = [r.backend for r in primary_routes(model)] + list(model.fallback)
+            if not any(self.started.get(id(snapshot.backends[n])) and self.health.available(n) for n in names):
                 return False
         return True
 
     async def aclose(self) -> None:
-        for task in self._start_tasks:
+        for task in self._tasks:
+            task.cancel()
+        for task in list(self.shadows.tasks):
             task.cancel()
         for backend in self.backends.values():
             with contextlib.suppress(Exception):
                 await backend.aclose()
 
-    @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
+    # requests
+
+    def enter(self) -> None:
         """TGI's semaphore: over `max_concurrent_requests` a request fails at once with 429."""
         if self.in_flight >= self.config.server.max_concurrent_requests:
             raise GatewayError("Model is overloaded", kind="overloaded")
         self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        self.enter()
         try:
             yield
         finally:
-            self.in_flight -= 1
+            self.leave()
+
+    def acquire(self, backend: Backend) -> None:
+        self.users[id(backend)] = self.users.get(id(backend), 0) + 1
+
+    def release(self, backend: Backend) -> None:
+        self.users[id(backend)] -= 1
+
+    # hot reload
+
+    async def reload(self, text: str | None = None) -> GatewayConfig:
+        """Validate and apply a new config (the file's, unless `text` is given). Raises ConfigError,
+        changing nothing, when the config is bad or a new backend does not come up healthy."""
+        if self._reload_lock is None:
+            self._reload_lock = asyncio.Lock()
+        async with self._reload_lock:
+            if text is None:
+                if self.config_path is None:
+                    raise ConfigError("no config file to reload from")
+                try:
+                    text = self.config_path.read_text()
+                except OSError as exc:
+                    raise ConfigError(f"{self.config_path}: cannot read: {exc.strerror or exc}") from None
+            new = parse_config(text, str(self.config_path or "<reload>"))
+            old = self.snapshot
+            if new.version == old.config.version:
+                return old.config
+            backends: dict[str, Backend] = {}
+            fresh: dict[str, Backend] = {}
+            for name, entry in new.backends.items():
+                if old.config.backends.get(name) == entry and name in old.backends:
+                    backends[name] = old.backends[name]  # unchanged: keep it (an engine stays loaded)
+                else:
+                    backends[name] = fresh[name] = get_backend_class(entry.type)(name, entry.settings)
+            await self._start_fresh(fresh)
+            self.health.eject_after = max(1, new.server.eject_after_failures)
+            self.health.cooldown = new.server.eject_cooldown
+            self.snapshot = Snapshot(new, backends, Router(new, backends, self.health))
+            kept = {id(b) for b in backends.values()}
+            for backend in old.backends.values():
+                if id(backend) not in kept:
+                    self._tasks.append(asyncio.create_task(self._retire(backend)))
+            log.info("config %s is active (was %s)", new.version, old.config.version)
+            return new
+
+    async def _start_fresh(self, fresh: dict[str, Backend]) -> None:
+        try:
+            async with asyncio.timeout(START_TIMEOUT):
+                results = await asyncio.gather(*(self._start(n, b) for n, b in fresh.items()))
+        except TimeoutError:
+            results = [False] * len(fresh)
+        failed = [name for name, ok in zip(fresh, results) if not ok]
+        if failed:
+            for backend in fresh.values():
+                with contextlib.suppress(Exception):
+                    await backend.aclose()
+            raise ConfigError(f"backends.{failed[0]}: did not start healthy; the active config is unchanged")
+
+    async def _retire(self, backend: Backend) -> None:
+        await asyncio.sleep(RETIRE_GRACE)
+        while self.users.get(id(backend), 0) > 0:
+            await asyncio.sleep(0.1)
+        with contextlib.suppress(Exception):
+            await backend.aclose()
+        self.started.pop(id(backend), None)
+
+    async def _watch_file(self) -> None:
+        assert self.config_path is not None
+        last = self.config_path.stat().st_mtime_ns if self.config_path.exists() else 0
+        while True:
+            await asyncio.sleep(1.0)
+            with contextlib.suppress(OSError):
+                mtime = self.config_path.stat().st_mtime_ns
+                if mtime != last:
+                    last = mtime
+                    try:
+                        await self.reload()
+                    except ConfigError as exc:
+                        log.error("config reload refused: %s", exc)
 
 
 def build_backends(config: GatewayConfig) -> dict[str, Backend]:

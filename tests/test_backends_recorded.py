@@ -222,8 +222,7 @@ def test_upstream_failures_become_the_doors_own_errors(remote: tuple[str, dict],
 
 @pytest.mark.parametrize(("name", "door", "needle"), [
     ("tgi_error_event", "tgi", "CUDA out of memory"), ("hang", "openai", "idle timeout"),
-    ("trtllm_cut", "tgi", "stream broken"), ("trtllm_truncated", "tgi", "Incomplete generation stream"),
-    ("triton_error_in_200", "openai", "in-flight batcher failed")])
+    ("trtllm_cut", "tgi", "stream broken"), ("trtllm_truncated", "tgi", "Incomplete generation stream")])
 def test_errors_after_the_first_token_end_the_stream_with_an_error_event(remote: tuple[str, dict], name: str,
                                                                          door: str, needle: str) -> None:
     url, _ = remote

@@ -121,3 +121,4 @@ class Info(msgspec.Struct, kw_only=True):
     version: str
     sha: str | None = None
     docker_label: str | None = None
+    config_version: str | None = None  # llm-gateway's: the active config (as in x-config-version)

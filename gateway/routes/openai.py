@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,7 +13,16 @@ from litestar.response import Stream
 from backends.base import GenerationRequest, TokenEvent
 from gateway import __version__
 from gateway.errors import GatewayError
-from gateway.generation import Collected, collect, merge, run_stream, tokenize_prompt, unless_disconnected
+from gateway.generation import (
+    Collected,
+    Served,
+    gather_all,
+    generate_whole,
+    merge,
+    start_all,
+    tokenize_prompt,
+    unless_disconnected,
+)
 from gateway.openai_params import (
     FINISH_REASONS,
     chat_messages,
@@ -87,7 +95,7 @@ class OpenAIController(Controller):
     @post("/chat/completions", summary="Chat completion (OpenAI)", operation_id="create_chat_completion",
           status_code=200)
     async def chat(self, data: ChatCompletionRequest, gateway: Gateway, request: Request) -> Response | Stream:
-        route = gateway.router.require(data.model)
+        route = _route(gateway, request, data.model, data.user)
         server = gateway.config.server
         check_common(data, server)
         check_chat_features(data)
@@ -108,19 +116,20 @@ class OpenAIController(Controller):
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            events = self._chat_stream(gateway, route, requests, data.model or route.name, response_id, created,
+            served = await _start_streams(gateway, route, requests)
+            events = self._chat_stream(gateway, served, data.model or route.name, response_id, created,
                                        want_logprobs, include_usage)
-            return Stream(with_keepalive(events), media_type="text/event-stream", headers=SSE_HEADERS)
+            return await _stream_response(events, served, route)
         with gateway.admit():
             results = await unless_disconnected(
-                request.receive, asyncio.gather(*(collect(run_stream(route, r)) for r in requests)))
+                request.receive, gather_all([generate_whole(gateway, route, r) for r in requests]))
         choices = [ChatChoice(index=i, message=ResponseMessage(role="assistant", content=r.text),
                               logprobs=_chat_logprobs(r.events) if want_logprobs else None,
                               finish_reason=FINISH_REASONS[str(r.last.finish_reason)])
                    for i, r in enumerate(results)]
         body = ChatCompletionResponse(id=response_id, created=created, model=data.model or route.name,
                                       choices=choices, usage=self._total_usage(results), system_fingerprint=FINGERPRINT)
-        return Response(body, status_code=200)
+        return Response(body, status_code=200, headers=route.served_headers(results[0].backend))
 
     @staticmethod
     def _total_usage(results: list[Collected]) -> UsageOut:
@@ -128,8 +137,8 @@ class OpenAIController(Controller):
         return _usage(prompt, sum(r.usage.completion_tokens for r in results))
 
     @staticmethod
-    def _chat_stream(gw: Gateway, route: ModelRoute, requests: list[GenerationRequest], model: str,
-                     response_id: str, created: int, want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    def _chat_stream(gw: Gateway, served: list[Served], model: str, response_id: str, created: int,
+                     want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
         def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> bytes:
             c = ChatCompletionChunk(id=response_id, created=created, model=model, system_fingerprint=FINGERPRINT,
                                     choices=choices)
@@ -144,15 +153,15 @@ class OpenAIController(Controller):
             return chunk([ChunkChoice(index=index, delta=Delta(content=e.text),
                                       logprobs=_chat_logprobs([e]) if want_logprobs else None, finish_reason=finish)])
 
-        return _sse(gw, route, requests, render, (lambda u: chunk([], u)) if include_usage else None,
-                    choices_per_prompt=len(requests))
+        return _sse(gw, served, render, (lambda u: chunk([], u)) if include_usage else None,
+                    choices_per_prompt=len(served))
 
     # completions
 
     @post("/completions", summary="Text completion (OpenAI legacy)", operation_id="create_completion",
           status_code=200)
     async def completions(self, data: CompletionRequest, gateway: Gateway, request: Request) -> Response | Stream:
-        route = gateway.router.require(data.model)
+        route = _route(gateway, request, data.model, data.user)
         server = gateway.config.server
         check_common(data, server)
         prompts = completion_prompts(data)
@@ -175,12 +184,13 @@ class OpenAIController(Controller):
         model = data.model or route.name
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            events = self._completion_stream(gateway, route, requests, echoes, model, response_id, created,
+            served = await _start_streams(gateway, route, requests)
+            events = self._completion_stream(gateway, served, echoes, model, response_id, created,
                                              data.logprobs, include_usage, n)
-            return Stream(with_keepalive(events), media_type="text/event-stream", headers=SSE_HEADERS)
+            return await _stream_response(events, served, route)
         with gateway.admit():
             results = await unless_disconnected(
-                request.receive, asyncio.gather(*(collect(run_stream(route, r)) for r in requests)))
+                request.receive, gather_all([generate_whole(gateway, route, r) for r in requests]))
         choices = [CompletionChoice(index=i, text=echoes[i] + r.text,
                                     logprobs=self._legacy_logprobs(r.events, len(echoes[i]))
                                     if data.logprobs is not None else None,
@@ -190,7 +200,7 @@ class OpenAIController(Controller):
         usage = _usage(prompt_tokens, sum(r.usage.completion_tokens for r in results))
         body = CompletionResponse(id=response_id, created=created, model=model, system_fingerprint=FINGERPRINT,
                                   choices=choices, usage=usage)
-        return Response(body, status_code=200)
+        return Response(body, status_code=200, headers=route.served_headers(results[0].backend))
 
     @staticmethod
     def _legacy_logprobs(events: list[TokenEvent], offset: int) -> CompletionLogprobs:
@@ -202,9 +212,9 @@ class OpenAIController(Controller):
             tokens=[e.token_text for e in events], token_logprobs=[e.logprob for e in events],
             top_logprobs=[{t.text: t.logprob or 0.0 for t in e.top_logprobs} for e in events], text_offset=offsets)
 
-    def _completion_stream(self, gw: Gateway, route: ModelRoute, requests: list[GenerationRequest],
-                           echoes: list[str], model: str, response_id: str, created: int,
-                           logprobs: int | None, include_usage: bool, n: int) -> AsyncIterator[bytes]:
+    def _completion_stream(self, gw: Gateway, served: list[Served], echoes: list[str], model: str,
+                           response_id: str, created: int, logprobs: int | None, include_usage: bool,
+                           n: int) -> AsyncIterator[bytes]:
         offsets = [len(e) for e in echoes]
 
         def chunk(choices: list[CompletionChoice], usage: UsageOut | None = None) -> bytes:
@@ -224,28 +234,53 @@ class OpenAIController(Controller):
 
         preamble = [chunk([CompletionChoice(index=i, text=echo, logprobs=None, finish_reason=None)])
                     for i, echo in enumerate(echoes) if echo]
-        return _sse(gw, route, requests, render, (lambda u: chunk([], u)) if include_usage else None,
+        return _sse(gw, served, render, (lambda u: chunk([], u)) if include_usage else None,
                     choices_per_prompt=n, preamble=preamble)
 
 
-async def _sse(gw: Gateway, route: ModelRoute, requests: list[GenerationRequest],
-               render: Callable[[int, TokenEvent], bytes | None], usage_chunk: Callable[[UsageOut], bytes] | None,
-               *, choices_per_prompt: int, preamble: list[bytes] | None = None) -> AsyncIterator[bytes]:
+def _route(gw: Gateway, request: Request, model: str | None, user: str | None) -> ModelRoute:
+    return gw.router.require(model, header_key=request.headers.get(gw.config.server.sticky_header), user_key=user)
+
+
+async def _start_streams(gw: Gateway, route: ModelRoute, requests: list[GenerationRequest]) -> list[Served]:
+    """Admit and start every choice before answering: a failure before the first token is still an
+    HTTP error, and `x-backend` can name who serves."""
+    gw.enter()
+    try:
+        return await start_all(gw, route, requests)
+    except BaseException:
+        gw.leave()
+        raise
+
+
+async def _stream_response(events: AsyncIterator[bytes], served: list[Served], route: ModelRoute) -> Stream:
+    await events.__anext__()  # primed: from here its `finally` runs however the response ends
+    return Stream(with_keepalive(events), media_type="text/event-stream",
+                  headers=SSE_HEADERS | route.served_headers(served[0].backend))
+
+
+async def _sse(gw: Gateway, served: list[Served], render: Callable[[int, TokenEvent], bytes | None],
+               usage_chunk: Callable[[UsageOut], bytes] | None, *, choices_per_prompt: int,
+               preamble: list[bytes] | None = None) -> AsyncIterator[bytes]:
     """The OpenAI event stream: rendered chunks, the usage chunk if asked, errors as events, then [DONE]."""
     prompt_tokens, completion_tokens = 0, 0
     try:
-        with gw.admit():
-            for event in preamble or []:
-                yield event
-            async for index, e in merge([run_stream(route, r) for r in requests]):
-                completion_tokens += 1
-                if e.usage and index % choices_per_prompt == 0:  # n choices of one prompt share its tokens
-                    prompt_tokens += e.usage.prompt_tokens
-                rendered = render(index, e)
-                if rendered is not None:
-                    yield rendered
+        yield b""
+        for event in preamble or []:
+            yield event
+        async for index, e in merge([s.events for s in served]):
+            completion_tokens += 1
+            if e.usage and index % choices_per_prompt == 0:  # n choices of one prompt share its tokens
+                prompt_tokens += e.usage.prompt_tokens
+            rendered = render(index, e)
+            if rendered is not None:
+                yield rendered
         if usage_chunk is not None:
             yield usage_chunk(_usage(prompt_tokens, completion_tokens))
     except GatewayError as err:
         yield sse_event(err.openai_body())
+    finally:
+        gw.leave()
+        for s in served:
+            await s.events.aclose()  # type: ignore[attr-defined]
     yield DONE

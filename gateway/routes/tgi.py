@@ -16,7 +16,7 @@ from litestar.response import Stream
 from backends.base import TokenEvent, TokenLogprob
 from gateway import __version__
 from gateway.errors import GatewayError
-from gateway.generation import Collected, collect, run_stream, unless_disconnected
+from gateway.generation import Collected, Served, generate_whole, start, unless_disconnected
 from gateway.protocol.tgi import (
     BestOfSequence,
     CompatGenerateRequest,
@@ -67,12 +67,12 @@ def _details(v: ValidTgiRequest, result: Collected) -> Details:
 
 async def _generate(gw: Gateway, route: ModelRoute, v: ValidTgiRequest) -> tuple[GenerateResponse, Collected]:
     if v.best_of == 1:
-        result = await collect(run_stream(route, v.core))
+        result = await generate_whole(gw, route, v.core)
         others: list[Collected] = []
     else:  # best_of: sample several, keep the most likely
         copies = [msgspec.structs.replace(v.core, request_id=f"{v.core.request_id}-{i}",
                                           seed=random.getrandbits(63)) for i in range(v.best_of)]
-        results = await asyncio.gather(*(collect(run_stream(route, c)) for c in copies))
+        results = await asyncio.gather(*(generate_whole(gw, route, c) for c in copies))
         ranked = sorted(results, key=lambda r: r.sum_logprob, reverse=True)
         result, others = ranked[0], ranked[1:]
     response = GenerateResponse(generated_text=_generated_text(v, result))
@@ -101,30 +101,35 @@ def _timing_headers(started: float, validated: float, result: Collected, inputs:
     }
 
 
-async def _stream_events(gw: Gateway, route: ModelRoute, v: ValidTgiRequest) -> AsyncIterator[bytes]:
+async def _stream_events(gw: Gateway, served: Served, v: ValidTgiRequest) -> AsyncIterator[bytes]:
+    """The SSE body. Primed to its first `yield` by the handler, so its `finally` (leaving the
+    admission count, closing the backend stream) runs however the response ends."""
     index = 0
     text = ""
     try:
-        with gw.admit():
-            async for e in run_stream(route, v.core):
-                index += 1
-                text += e.text
-                event = StreamResponse(index=index, token=_token(e))
-                if v.params.top_n_tokens:
-                    event.top_tokens = _top(e.top_logprobs)
-                if e.finished:
-                    full = text + (e.stop_string or "")
-                    event.generated_text = v.core.prompt + full if v.return_full_text and v.core.prompt else full
-                    if v.params.details:
-                        event.details = StreamDetails(
-                            finish_reason=str(e.finish_reason),
-                            generated_tokens=e.usage.completion_tokens if e.usage else index,
-                            seed=e.seed if v.sampling else None,
-                            input_length=v.input_length if v.input_length is not None else
-                            (e.usage.prompt_tokens if e.usage else 0))
-                yield sse_event(event)
+        yield b""
+        async for e in served.events:
+            index += 1
+            text += e.text
+            event = StreamResponse(index=index, token=_token(e))
+            if v.params.top_n_tokens:
+                event.top_tokens = _top(e.top_logprobs)
+            if e.finished:
+                full = text + (e.stop_string or "")
+                event.generated_text = v.core.prompt + full if v.return_full_text and v.core.prompt else full
+                if v.params.details:
+                    event.details = StreamDetails(
+                        finish_reason=str(e.finish_reason),
+                        generated_tokens=e.usage.completion_tokens if e.usage else index,
+                        seed=e.seed if v.sampling else None,
+                        input_length=v.input_length if v.input_length is not None else
+                        (e.usage.prompt_tokens if e.usage else 0))
+            yield sse_event(event)
     except GatewayError as err:
         yield sse_event(err.tgi_body())
+    finally:
+        gw.leave()
+        await served.events.aclose()  # type: ignore[attr-defined]
 
 
 def _error_stream(err: GatewayError) -> AsyncIterator[bytes]:
@@ -132,6 +137,10 @@ def _error_stream(err: GatewayError) -> AsyncIterator[bytes]:
         yield sse_event(err.tgi_body())
 
     return one()
+
+
+def _route(gw: Gateway, request: Request, model: str | None) -> ModelRoute:
+    return gw.router.require(model, header_key=request.headers.get(gw.config.server.sticky_header))
 
 
 class TgiController(Controller):
@@ -145,7 +154,7 @@ class TgiController(Controller):
                                    traceparent=request.headers.get("traceparent"))
             validated = time.perf_counter()
             response, result = await unless_disconnected(request.receive, _generate(gw, route, v))
-        headers = _timing_headers(started, validated, result, data.inputs)
+        headers = _timing_headers(started, validated, result, data.inputs) | route.served_headers(result.backend)
         return Response([response] if compat else response, headers=headers, status_code=200)
 
     async def _stream_response(self, gw: Gateway, route: ModelRoute, data: GenerateRequest, compat: bool,
@@ -154,26 +163,36 @@ class TgiController(Controller):
         try:
             v = await validate_tgi(data, route, gw.config.server, stream=True, compat=compat,
                                    traceparent=request.headers.get("traceparent"))
+            gw.enter()
         except GatewayError as err:  # TGI streams start before validation: errors arrive as events
             return Stream(_error_stream(err), media_type="text/event-stream", headers=headers, status_code=200)
-        return Stream(with_keepalive(_stream_events(gw, route, v)), media_type="text/event-stream",
-                      headers=headers, status_code=200)
+        try:
+            served = await start(gw, route, v.core)  # the first token decides who serves (x-backend)
+        except BaseException as exc:
+            gw.leave()
+            if not isinstance(exc, GatewayError):
+                raise
+            return Stream(_error_stream(exc), media_type="text/event-stream", headers=headers, status_code=200)
+        body = _stream_events(gw, served, v)
+        await body.__anext__()
+        return Stream(with_keepalive(body), media_type="text/event-stream",
+                      headers=headers | route.served_headers(served.backend), status_code=200)
 
     @post("/generate", summary="Generate tokens", operation_id="generate")
     async def generate(self, data: GenerateRequest, gateway: Gateway, request: Request) -> Response:
-        route = gateway.router.require(None)
+        route = _route(gateway, request, None)
         return await self._generate_response(gateway, route, data, compat=False, request=request)
 
     @post("/generate_stream", summary="Generate a stream of tokens (SSE)", operation_id="generate_stream")
     async def generate_stream(self, data: GenerateRequest, gateway: Gateway, request: Request) -> Stream:
-        route = gateway.router.require(None)
+        route = _route(gateway, request, None)
         return await self._stream_response(gateway, route, data, compat=False, request=request)
 
     @post("/", summary="TGI compat: a one-element list, or a stream with `stream: true`",
           operation_id="compat_generate")
     async def compat_generate(self, data: CompatGenerateRequest, gateway: Gateway,
                               request: Request) -> Response | Stream:
-        route = gateway.router.require(None)
+        route = _route(gateway, request, None)
         if data.stream:
             return await self._stream_response(gateway, route, data, compat=True, request=request)
         return await self._generate_response(gateway, route, data, compat=True, request=request)
@@ -181,14 +200,14 @@ class TgiController(Controller):
     @post("/models/{model:str}/generate", summary="Generate with a named model", operation_id="model_generate")
     async def model_generate(self, model: str, data: GenerateRequest, gateway: Gateway,
                              request: Request) -> Response:
-        route = gateway.router.require(model)
+        route = _route(gateway, request, model)
         return await self._generate_response(gateway, route, data, compat=False, request=request)
 
     @post("/models/{model:str}/generate_stream", summary="Stream with a named model",
           operation_id="model_generate_stream")
     async def model_generate_stream(self, model: str, data: GenerateRequest, gateway: Gateway,
                                     request: Request) -> Stream:
-        route = gateway.router.require(model)
+        route = _route(gateway, request, model)
         return await self._stream_response(gateway, route, data, compat=False, request=request)
 
     @post("/tokenize", summary="Tokenize inputs", operation_id="tokenize", status_code=200)
@@ -210,10 +229,10 @@ class TgiController(Controller):
                     max_best_of=server.max_best_of, max_stop_sequences=server.max_stop_sequences,
                     max_input_tokens=route.max_input_tokens, max_total_tokens=route.max_total_tokens,
                     max_client_batch_size=server.max_client_batch_size, version=__version__,
-                    router="llm-gateway")
+                    router="llm-gateway", config_version=gateway.config.version)
 
     @get(["/health", "/ping"], summary="200 when every backend is ready, else 503", operation_id="health")
     async def health(self, gateway: Gateway) -> Response:
-        if await gateway.healthy():
+        if gateway.healthy():
             return Response(b"", status_code=200, media_type="text/plain")
         raise GatewayError("unhealthy", kind="healthcheck")
