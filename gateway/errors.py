@@ -12,6 +12,7 @@ from gateway.protocol.tgi import ErrorResponse
 _KINDS: dict[str, tuple[int, str, str]] = {
     "validation": (422, "validation", "invalid_request_error"),
     "template": (422, "template_error", "invalid_request_error"),
+    "config": (400, "config", "invalid_request_error"),
     "model_not_found": (404, "model_not_found", "invalid_request_error"),
     "unauthorized": (401, "unauthorized", "authentication_error"),
     "overloaded": (429, "overloaded", "rate_limit_error"),

@@ -135,3 +135,40 @@ FAILURES = {
     "trtllm_truncated": both_openai_routes(lambda kind: Reply([sse(*trtllm_chunks(kind)[:2])])),
     "slow_first_token": both_openai_routes(lambda kind: Reply([30.0])),
 }
+
+
+def openai_text_routes(text: str, *, first_delay: float = 0.0, gap: float = 0.0, status: int = 200) -> dict:
+    """An OpenAI-compatible upstream that answers `text` (word by word when streaming), after
+    `first_delay` seconds and with `gap` seconds between chunks; or an error `status`."""
+    words = [w if i == 0 else " " + w for i, w in enumerate(text.split(" "))]
+    usage = {"prompt_tokens": 4, "completion_tokens": len(words), "total_tokens": 4 + len(words)}
+
+    def stream(kind: str) -> Reply:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        pieces: list = [first_delay] if first_delay else []
+        for i, w in enumerate(words):
+            body = {"delta": {"content": w}} if kind == "chat" else {"text": w}
+            finish = "stop" if i == len(words) - 1 else None
+            pieces.append(sse({"id": "x", "object": obj, "created": 1, "model": "m",
+                               "choices": [{"index": 0, **body, "finish_reason": finish}]}))
+            if gap:
+                pieces.append(gap)
+        pieces.append(sse({"id": "x", "object": obj, "created": 1, "model": "m", "choices": [], "usage": usage},
+                          b"[DONE]"))
+        return Reply(pieces)
+
+    def whole(kind: str) -> Reply:
+        choice = {"index": 0, "finish_reason": "stop",
+                  **({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})}
+        body = json.dumps({"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice],
+                           "usage": usage}).encode()
+        return Reply(([first_delay] if first_delay else []) + [body], 200, "application/json")
+
+    def reply(kind: str):  # noqa: ANN202
+        if status != 200:
+            return Reply([json.dumps({"error": {"message": f"upstream says {status}", "type": "x",
+                                                "code": status}}).encode()], status, "application/json")
+        return by_stream(stream(kind), whole(kind))
+
+    return {("GET", "/v1/models"): Reply([b'{"data":[]}'], 200, "application/json"),
+            ("POST", "/v1/chat/completions"): reply("chat"), ("POST", "/v1/completions"): reply("completions")}

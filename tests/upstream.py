@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,11 +43,19 @@ class ScriptedUpstream:
     routes: dict[tuple[str, str], Any]  # a Reply, or a function of the request's JSON body to one
     requests: list[Recorded] = field(default_factory=list)
     port: int = 0
+    server: asyncio.AbstractServer | None = None
+    loop: asyncio.AbstractEventLoop | None = None
     broken_writes: int = 0  # responses the client hung up on before the end
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        """Stop listening: from now on connections to this port are refused."""
+        if self.server is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.server.close)
+            time.sleep(0.2)
 
     def sent(self, path: str) -> list[Any]:
         return [r.json() for r in self.requests if r.path == path]
@@ -95,6 +104,7 @@ def scripted_upstream(routes: dict[tuple[str, str], Any]) -> Iterator[ScriptedUp
     async def serve() -> None:
         server = await asyncio.start_server(upstream._handle, "127.0.0.1", 0)
         upstream.port = server.sockets[0].getsockname()[1]
+        upstream.server, upstream.loop = server, loop
         started.set()
         async with server:
             with contextlib.suppress(asyncio.CancelledError):

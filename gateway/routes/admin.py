@@ -42,5 +42,5 @@ class AdminController(Controller):
         try:
             config = await gateway.reload()
         except ConfigError as exc:
-            raise GatewayError(f"config refused, nothing changed: {exc}", kind="validation", status=400) from None
+            raise GatewayError(f"config refused, nothing changed: {exc}", kind="config") from None
         return {"config_version": config.version, "previous_version": previous, "changed": config.version != previous}

@@ -18,6 +18,7 @@ class EchoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     type: str = "echo-test"
     start_delay: float = 0.0
     accepts_chat: bool = False
+    fail_start: bool = False  # a backend that never comes up
 
 
 class EchoBackend:
@@ -31,6 +32,8 @@ class EchoBackend:
 
     async def start(self) -> None:
         await asyncio.sleep(self.settings.start_delay)
+        if self.settings.fail_start:
+            raise ConnectionError("echo backend configured never to start")
         self.ready = True
 
     async def health(self) -> bool:

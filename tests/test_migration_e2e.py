@@ -1,0 +1,191 @@
+"""Migration routing through a real gateway process: fallback tiers, shadow traffic and its
+report, and hot reload under load."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.recordings import openai_text_routes
+from tests.server import ROOT, running_gateway
+from tests.upstream import CUT, Reply, ScriptedUpstream, scripted_upstream, sse
+
+ADMIN = {"authorization": "Bearer admin-secret"}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+
+
+def backend(name: str, url: str, first_token_timeout: float = 1.0) -> str:
+    return (f'[backends.{name}]\ntype = "openai"\nbase_url = "{url}"\nmodel = "m"\n'
+            f"first_token_timeout = {first_token_timeout}\n\n")
+
+
+@pytest.fixture(scope="module")
+def migration(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, ScriptedUpstream]]]:
+    half = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": "Half"}, "text": "Half", "finish_reason": None}]}
+    cut_routes = {("GET", "/v1/models"): Reply([b"{}"], 200, "application/json"),
+                  ("POST", "/v1/chat/completions"): Reply([sse(half), CUT]),
+                  ("POST", "/v1/completions"): Reply([sse(half), CUT])}
+    with ExitStack() as stack:
+        up = {name: stack.enter_context(scripted_upstream(routes)) for name, routes in {
+            "good": openai_text_routes("Hello world!"), "doomed": openai_text_routes("never"),
+            "five03": openai_text_routes("x", status=503), "slow": openai_text_routes("late", first_delay=5.0),
+            "cutter": cut_routes, "primary": openai_text_routes("Hello world!"),
+            "candidate": openai_text_routes("Hello there!", first_delay=1.0)}.items()}
+        config = '[server]\nadmin_key = "admin-secret"\nhealth_check_interval = 60\n\n'
+        config += "".join(backend(name, u.url, 5.0 if name == "candidate" else 1.0) for name, u in up.items())
+        config += """
+[models.fb-refuse]
+backend = "doomed"
+fallback = ["good"]
+[models.fb-503]
+backend = "five03"
+fallback = ["good"]
+[models.fb-hang]
+backend = "slow"
+fallback = ["good"]
+[models.fb-after]
+backend = "cutter"
+fallback = ["good"]
+[models.shadowed]
+backend = "primary"
+shadow = {backend = "candidate", sample = 1.0, max_concurrency = 8}
+"""
+        url = stack.enter_context(running_gateway(config, tmp_path_factory.mktemp("migration")))
+        yield url, up
+
+
+def test_refused_connection_before_the_first_token_falls_back(migration) -> None:
+    url, up = migration
+    up["doomed"].close()  # it was healthy at start; now nothing listens on its port
+    for _ in range(3):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "fb-refuse", **CHAT})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world!"
+        assert r.headers["x-backend"] == "good"
+    assert not any(req.path == "/v1/chat/completions" for req in up["doomed"].requests)
+
+
+@pytest.mark.parametrize(("model", "door"), [("fb-503", "openai"), ("fb-503", "tgi"), ("fb-hang", "openai"),
+                                             ("fb-hang", "tgi")])
+def test_503_or_a_hang_before_the_first_token_falls_back(migration, model: str, door: str) -> None:
+    url, up = migration
+    if door == "openai":
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "stream": True, **CHAT}, timeout=10)
+        chunks = [json.loads(p[6:]) for p in r.text.split("\n\n") if p.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks if c["choices"])
+    else:
+        r = httpx.post(f"{url}/models/{model}/generate", json={"inputs": "Hi"}, timeout=10)
+        text = r.json()["generated_text"]
+    assert r.status_code == 200 and text == "Hello world!" and r.headers["x-backend"] == "good"
+    assert r.headers["x-config-version"] == httpx.get(f"{url}/info").json()["config_version"]
+
+
+def test_a_failure_after_the_first_token_is_never_retried(migration) -> None:
+    url, up = migration
+    before = len(up["good"].requests)
+    raw = httpx.post(f"{url}/v1/chat/completions", json={"model": "fb-after", "stream": True, **CHAT}).text
+    payloads = [p[6:] for p in raw.split("\n\n") if p.startswith("data: ")]
+    assert json.loads(payloads[0])["choices"][0]["delta"]["content"] == "Half"
+    assert "error" in json.loads(payloads[-2]) and payloads[-1] == "[DONE]"
+    tgi = httpx.post(f"{url}/models/fb-after/generate_stream", json={"inputs": "Hi"}).text
+    assert '"text":"Half"' in tgi and '"error_type"' in tgi
+    assert len(up["good"].requests) == before  # the second tier never saw these requests
+
+
+def test_shadow_never_delays_the_primary_and_the_report_matches(migration, tmp_path: Path) -> None:
+    url, up = migration
+    latencies = []
+    for _ in range(5):
+        started = time.perf_counter()
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "shadowed", **CHAT})
+        latencies.append(time.perf_counter() - started)
+        assert r.json()["choices"][0]["message"]["content"] == "Hello world!" and r.headers["x-backend"] == "primary"
+    assert max(latencies) < 0.5  # the candidate takes 1 s per answer
+    assert httpx.get(f"{url}/admin/migrations").status_code == 401
+    assert httpx.get(f"{url}/admin/migrations", headers={"authorization": "Bearer nope"}).status_code == 401
+    deadline = time.monotonic() + 10
+    while True:
+        [row] = httpx.get(f"{url}/admin/migrations", headers=ADMIN).json()["pairs"]
+        if row["compared"] == 5 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert (row["model"], row["primary"], row["candidate"], row["compared"]) == ("shadowed", "primary", "candidate", 5)
+    assert row["exact_match_rate"] == 0.0
+    assert row["mean_common_prefix_ratio"] == pytest.approx(len("Hello ") / len("Hello world!"))
+    assert row["candidate_stats"]["ttft_p50_s"] >= 1.0 > row["primary_stats"]["ttft_p50_s"]
+    assert row["candidate_stats"]["mean_tokens"] == 2 and row["primary_stats"]["error_rate"] == 0.0
+    printed = subprocess.run([sys.executable, "-m", "gateway", "migration-report", "--url", url, "--admin-key",
+                              "admin-secret"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert printed.returncode == 0 and "primary -> candidate" in printed.stdout and "shadowed" in printed.stdout
+
+    # a burst over the candidate's concurrency: the extra mirrors are dropped and counted, not queued
+    threads = [threading.Thread(target=httpx.post, args=(f"{url}/v1/chat/completions",),
+                                kwargs={"json": {"model": "shadowed", **CHAT}}) for _ in range(14)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(2.5)
+    [row] = httpx.get(f"{url}/admin/migrations", headers=ADMIN).json()["pairs"]
+    assert row["dropped"] >= 6 and row["compared"] + row["dropped"] == 5 + 14
+
+
+def test_reload_under_load_switches_backends_without_a_failed_request(tmp_path: Path) -> None:
+    with scripted_upstream(openai_text_routes("alpha one two three", gap=0.03)) as a, \
+            scripted_upstream(openai_text_routes("beta one two three", gap=0.03)) as b:
+        def config(target: str) -> str:
+            which = a if target == "a" else b
+            return ('[server]\nadmin_key = "admin-secret"\n\n' + backend(target, which.url) +
+                    f'[models.m]\nbackend = "{target}"\n')
+
+        with running_gateway(config("a"), tmp_path) as url:
+            path = tmp_path / "config.toml"
+            failures: list[str] = []
+            served: list[str] = []
+            stop = threading.Event()
+
+            def client(stream: bool) -> None:
+                with httpx.Client(timeout=10) as c:
+                    while not stop.is_set():
+                        try:
+                            r = c.post(f"{url}/v1/chat/completions", json={"model": "m", "stream": stream, **CHAT})
+                            body = r.text
+                            word = "alpha" if r.headers.get("x-backend") == "a" else "beta"
+                            if r.status_code != 200 or word not in body or "error" in body:
+                                failures.append(f"{r.status_code} {r.headers.get('x-backend')} {body[:200]}")
+                            served.append(r.headers["x-backend"])
+                        except httpx.HTTPError as exc:
+                            failures.append(repr(exc))
+
+            threads = [threading.Thread(target=client, args=(i % 2 == 0,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            versions = []
+            for target in ["b", "a", "BAD", "b", "a", "b"]:
+                time.sleep(0.7)
+                path.write_text(config(target) if target != "BAD" else "[models.m]\nbackend = 42\n")
+                r = httpx.post(f"{url}/admin/reload", headers=ADMIN, timeout=30)
+                if target == "BAD":
+                    assert r.status_code == 400 and "nothing changed" in r.json()["error"]
+                    assert httpx.get(f"{url}/info").json()["config_version"] == versions[-1]
+                else:
+                    assert r.status_code == 200, r.text
+                    versions.append(r.json()["config_version"])
+            time.sleep(0.7)
+            stop.set()
+            for t in threads:
+                t.join()
+            assert failures == []
+            assert len(served) > 40 and {"a", "b"} <= set(served)
+            last = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", **CHAT})
+            assert last.headers["x-backend"] == "b" and last.headers["x-config-version"] == versions[-1]
+            assert httpx.get(f"{url}/info").json()["config_version"] == versions[-1]
