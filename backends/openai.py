@@ -35,6 +35,8 @@ from backends.http import (
     timed_events,
     trace_headers,
 )
+from backends.sse import SSEEvent
+from backends.upstream_text import UpstreamText
 
 
 class OpenAISettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -128,32 +130,9 @@ class OpenAIBackend:
                 yield event
             return
         async with open_stream(self.client, self.name, path, body, trace_headers(request)) as response:
-            final: TokenEvent | None = None
-            count = 0
-            events = timed_events(response, self.settings, self.name, started)
-            async for sse in events:
-                if sse.data.strip() == "[DONE]":
-                    await drain(events)
-                    break
-                chunk = _decode(sse.data, self.name)
-                if chunk.get("error") is not None or chunk.get("object") == "error":
-                    raise _stream_error(chunk, self.name)
-                usage = chunk.get("usage")
-                for choice in chunk.get("choices") or []:
-                    for event in _events(choice, chat):
-                        count += 1
-                        if event.finished:
-                            final = event  # held until the usage chunk that follows it
-                        else:
-                            yield event
-                if usage and final is not None:
-                    final.usage = Usage(int(usage.get("prompt_tokens") or 0),
-                                        int(usage.get("completion_tokens") or count))
-            if final is not None:
-                if final.usage is None:
-                    final.usage = Usage(0, count)
-                yield final
-
+            async for event in relay_openai_stream(timed_events(response, self.settings, self.name, started),
+                                                   self.name, chat):
+                yield event
 
     async def _whole(self, path: str, body: dict[str, Any], request: GenerationRequest,
                      chat: bool) -> AsyncIterator[TokenEvent]:
@@ -175,6 +154,39 @@ class OpenAIBackend:
                                  int(usage.get("completion_tokens") or len(events)))
         for event in events:
             yield event
+
+
+async def relay_openai_stream(events: AsyncIterator[SSEEvent], backend: str, chat: bool,
+                              text: UpstreamText | None = None) -> AsyncIterator[TokenEvent]:
+    """An OpenAI-style event stream as token events. The finish is held until the usage chunk
+    that follows it; `text`, where given, cuts stop strings the upstream left in its text."""
+    final: TokenEvent | None = None
+    count = 0
+    async for sse in events:
+        if sse.data.strip() == "[DONE]":
+            await drain(events)
+            break
+        chunk = _decode(sse.data, backend)
+        if chunk.get("error") is not None or chunk.get("object") == "error":
+            raise _stream_error(chunk, backend)
+        for choice in chunk.get("choices") or []:
+            for event in _events(choice, chat):
+                count += 1
+                if event.finished:
+                    if text is not None:
+                        event.text = text.finish(event.text)
+                        event.stop_string = event.stop_string or text.stop_string
+                    final = event
+                else:
+                    if text is not None:
+                        event.text = text.push(event.text)
+                    yield event
+        usage = chunk.get("usage")
+        if usage and final is not None:
+            final.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or count))
+    if final is not None:
+        final.usage = final.usage or Usage(0, count)
+        yield final
 
 
 def _decode(data: str, backend: str) -> dict[str, Any]:

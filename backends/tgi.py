@@ -25,7 +25,6 @@ from backends.base import (
 )
 from backends.http import (
     HttpSettings,
-    drain,
     drop_none,
     error_for_status,
     make_client,
@@ -34,7 +33,7 @@ from backends.http import (
     timed_events,
     trace_headers,
 )
-from backends.openai import _decode, _events, _stream_error
+from backends.openai import _decode, relay_openai_stream
 from backends.upstream_text import UpstreamText
 
 _VALIDATION_PREFIX = "Input validation error: "
@@ -165,34 +164,10 @@ class TgiBackend:
     async def _chat(self, request: GenerationRequest, started: float) -> AsyncIterator[TokenEvent]:
         async with open_stream(self.client, self.name, "/v1/chat/completions", self._chat_body(request),
                                trace_headers(request)) as response:
-            final: TokenEvent | None = None
-            count = 0
-            text = UpstreamText(request.stop)  # TGI keeps a matched stop sequence in its chat text too
-            events = timed_events(response, self.settings, self.name, started)
-            async for sse in events:
-                if sse.data.strip() == "[DONE]":
-                    await drain(events)
-                    break
-                chunk = _decode(sse.data, self.name)
-                if "error" in chunk:
-                    raise _stream_error(chunk, self.name)
-                for choice in chunk.get("choices") or []:
-                    for event in _events(choice, chat=True):
-                        count += 1
-                        if event.finished:
-                            event.text = text.finish(event.text)
-                            event.stop_string = event.stop_string or text.stop_string
-                            final = event
-                        else:
-                            event.text = text.push(event.text)
-                            yield event
-                usage = chunk.get("usage")
-                if usage and final is not None:
-                    final.usage = Usage(int(usage.get("prompt_tokens") or 0),
-                                        int(usage.get("completion_tokens") or count))
-            if final is not None:
-                final.usage = final.usage or Usage(0, count)
-                yield final
+            # TGI keeps a matched stop sequence in its chat text too
+            async for event in relay_openai_stream(timed_events(response, self.settings, self.name, started),
+                                                   self.name, chat=True, text=UpstreamText(request.stop)):
+                yield event
 
 
 def _top(tokens: Any) -> list[TokenLogprob]:
