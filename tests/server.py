@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+PROCESSES: dict[str, subprocess.Popen] = {}  # url → the gateway process serving it (to send it signals)
 
 
 def free_port() -> int:
@@ -33,6 +34,7 @@ def running_gateway(config_text: str, tmp_dir: Path, *, env: dict[str, str] | No
                              "--log-level", "warning"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
+    PROCESSES[url] = proc
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -49,6 +51,7 @@ def running_gateway(config_text: str, tmp_dir: Path, *, env: dict[str, str] | No
             time.sleep(0.2)
         yield url
     finally:
+        PROCESSES.pop(url, None)
         proc.terminate()
         try:
             proc.wait(20)

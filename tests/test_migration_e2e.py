@@ -4,6 +4,7 @@ report, and hot reload under load."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ import httpx
 import pytest
 
 from tests.recordings import openai_text_routes
-from tests.server import ROOT, running_gateway
+from tests.server import PROCESSES, ROOT, running_gateway
 from tests.upstream import CUT, Reply, ScriptedUpstream, scripted_upstream, sse
 
 ADMIN = {"authorization": "Bearer admin-secret"}
@@ -189,3 +190,34 @@ def test_reload_under_load_switches_backends_without_a_failed_request(tmp_path: 
             last = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", **CHAT})
             assert last.headers["x-backend"] == "b" and last.headers["x-config-version"] == versions[-1]
             assert httpx.get(f"{url}/info").json()["config_version"] == versions[-1]
+
+
+def test_sighup_and_the_file_watch_reload_the_config(tmp_path: Path) -> None:
+    with scripted_upstream(openai_text_routes("alpha")) as a, scripted_upstream(openai_text_routes("beta")) as b:
+        def config(target: ScriptedUpstream, watch: bool) -> str:
+            return (f"[server]\nwatch_config = {str(watch).lower()}\n\n" + backend("x", target.url) +
+                    '[models.m]\nbackend = "x"\n')
+
+        def answer(url: str) -> str:
+            r = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", **CHAT})
+            return r.json()["choices"][0]["message"]["content"]
+
+        def wait_for(url: str, text: str) -> None:
+            deadline = time.monotonic() + 10
+            while answer(url) != text:
+                assert time.monotonic() < deadline, f"never switched to {text!r}"
+                time.sleep(0.2)
+
+        with running_gateway(config(a, watch=False), tmp_path) as url:
+            assert answer(url) == "alpha"
+            (tmp_path / "config.toml").write_text(config(b, watch=False))
+            time.sleep(1.5)
+            assert answer(url) == "alpha"  # no watch: nothing happens until asked
+            PROCESSES[url].send_signal(signal.SIGHUP)
+            wait_for(url, "beta")
+        watched = tmp_path / "watched"
+        watched.mkdir()
+        with running_gateway(config(a, watch=True), watched) as url:
+            assert answer(url) == "alpha"
+            (watched / "config.toml").write_text(config(b, watch=True))
+            wait_for(url, "beta")
