@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--telemetry-variants", action="store_true",
+                        help="also measure the gateway with telemetry off, and with tracing on (console exporter)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="overhead-"))
     procs = []
@@ -84,17 +86,23 @@ def main() -> None:
         results["targets"]["direct"] = asyncio.run(measure(mock_port, "/v1/chat/completions", args.requests,
                                                            args.seconds))
 
-        gw_port = free_port()
-        config = logs / "gateway.toml"
-        config.write_text(f'[backends.mock]\ntype = "openai"\nbase_url = "http://127.0.0.1:{mock_port}"\n'
-                          f'model = "mock"\n\n[models.mock]\nbackend = "mock"\n')
-        gw = start([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(gw_port),
-                    "--log-level", "warning"], logs / "gateway.log")
-        procs.append(gw)
-        wait_port(gw_port, "/health")
-        results["targets"]["llm-gateway"] = asyncio.run(measure(gw_port, "/v1/chat/completions", args.requests,
-                                                                args.seconds))
-        gw.terminate()
+        variants = {"llm-gateway": "", "gw-telemetry-off": "telemetry = false\n",
+                    "gw-traces-on": 'traces = "console"\n'}
+        for name, server in variants.items():
+            if name != "llm-gateway" and not args.telemetry_variants:
+                continue
+            gw_port = free_port()
+            config = logs / f"{name}.toml"
+            config.write_text(f"[server]\n{server}\n[backends.mock]\ntype = \"openai\"\n"
+                              f'base_url = "http://127.0.0.1:{mock_port}"\nmodel = "mock"\n\n'
+                              f'[models.mock]\nbackend = "mock"\n')
+            gw = start([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(gw_port),
+                        "--log-level", "warning"], logs / f"{name}.log")
+            procs.append(gw)
+            wait_port(gw_port, "/health")
+            results["targets"][name] = asyncio.run(measure(gw_port, "/v1/chat/completions", args.requests,
+                                                           args.seconds))
+            gw.terminate()
 
         if args.litellm_python:
             ll_port = free_port()
@@ -119,11 +127,11 @@ def main() -> None:
 def report(results: dict) -> None:
     targets = results["targets"]
     direct = targets["direct"]
-    print(f"{'target':<12} {'c1 p50 ms':>10} {'added ms':>9} {'c1 TTFT p50':>12} {'c16 req/s':>10} {'errors':>7}")
+    print(f"{'target':<18} {'c1 p50 ms':>10} {'added ms':>9} {'c1 TTFT p50':>12} {'c16 req/s':>10} {'errors':>7}")
     for name, r in targets.items():
         added = r["c1_whole"]["latency_p50_ms"] - direct["c1_whole"]["latency_p50_ms"]
         errors = sum(int(v["errors"]) for v in r.values())
-        print(f"{name:<12} {r['c1_whole']['latency_p50_ms']:>10.2f} {added:>9.2f} "
+        print(f"{name:<18} {r['c1_whole']['latency_p50_ms']:>10.2f} {added:>9.2f} "
               f"{r['c1_stream']['ttft_p50_ms']:>12.2f} {r['c16_whole']['req_per_s']:>10.1f} {errors:>7}")
     if "litellm" in targets:
         ours, theirs = targets["llm-gateway"], targets["litellm"]

@@ -9,8 +9,9 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
-from litestar import Litestar, Request, Response
+from litestar import Litestar, Request, Response, get
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
@@ -24,6 +25,7 @@ from gateway.routes.admin import AdminController
 from gateway.routes.openai import OpenAIController
 from gateway.routes.tgi import TgiController
 from gateway.state import Gateway
+from gateway.telemetry.middleware import TelemetryMiddleware
 
 log = logging.getLogger("llmgw")
 MAX_BODY_BYTES = 2_000_000  # TGI's default --payload-limit
@@ -87,8 +89,8 @@ def _on_unexpected(request: Request, exc: Exception) -> Response:
 
 
 def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None,
-               config_path: str | Path | None = None) -> Litestar:
-    gateway = Gateway(config, backends, config_path)
+               config_path: str | Path | None = None, tracer_provider: Any = None) -> Litestar:
+    gateway = Gateway(config, backends, config_path, tracer_provider)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -106,8 +108,13 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
     def provide_gateway() -> Gateway:
         return gateway
 
+    @get("/metrics", summary="Prometheus metrics", operation_id="metrics", include_in_schema=True)
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     app = Litestar(
-        route_handlers=[TgiController, OpenAIController, AdminController],
+        route_handlers=[TgiController, OpenAIController, AdminController, metrics],
+        middleware=[lambda app: TelemetryMiddleware(app, gateway)] if config.server.telemetry else [],
         dependencies={"gateway": Provide(provide_gateway, sync_to_thread=False)},
         lifespan=[lifespan],
         exception_handlers={

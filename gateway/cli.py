@@ -10,6 +10,7 @@ import sys
 
 from gateway.config import ConfigError, load_config
 from gateway.migration_report import format_report
+from gateway.telemetry.logging import configure_logging
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -22,9 +23,10 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else config.server.port
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    configure_logging(config.server.log_format)
     print(config.describe(), file=sys.stderr)
     uvicorn.run(create_app(config, config_path=args.config), host=host, port=port, log_level=args.log_level,
-                timeout_graceful_shutdown=30)
+                timeout_graceful_shutdown=30, access_log=False)  # our own access log replaces uvicorn's
     return 0
 
 

@@ -10,7 +10,7 @@ import hashlib
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -37,6 +37,11 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     eject_cooldown: float = 30.0  # ...for this many seconds
     watch_config: bool = False  # reload when the config file changes (polled once a second)
     sticky_header: str = "x-session-id"  # the request header that `sticky = "header"` reads
+    telemetry: bool = True  # metrics, access log and request ids (off only to measure what they cost)
+    tgi_metrics: bool = False  # also expose TGI's metric names on /metrics (dashboards built for TGI)
+    traces: Literal["none", "console", "otlp"] = "none"  # OpenTelemetry exporter; otlp needs its package
+    log_format: Literal["json", "console"] = "json"  # access log lines
+    log_text: bool = False  # put prompt and output text in the access log (off: never logged)
 
 
 class WeightedRoute(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

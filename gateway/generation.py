@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from backends.base import (
     Backend,
@@ -23,6 +23,7 @@ from backends.base import (
 from gateway.errors import GatewayError
 from gateway.router import ModelRoute
 from gateway.shadow import tap
+from gateway.telemetry.record import RequestRecord, current_record
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -54,10 +55,15 @@ async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> S
     connect, 5xx, 429, first-token timeout) go on to the next. The stream returned has its first
     token in hand: after that nothing is retried, and a failure ends it with a typed error."""
     sent = time.perf_counter()
+    rec = current_record.get()
+    names = [name for name, _ in route.tiers]
+    gw.tracing.routed(rec, route.name, names, request)
     last: BackendError | None = None
-    for name, backend in route.tiers:
+    for tier, (name, backend) in enumerate(route.tiers):
+        span, attempt = gw.tracing.backend_call(rec, name, request)
+        sent_ns = time.time_ns()
         gw.acquire(backend)
-        stream = backend.generate(request).__aiter__()
+        stream = backend.generate(attempt).__aiter__()
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -66,12 +72,13 @@ async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> S
             error = exc
         except BaseException:  # cancelled (the client left) or a backend bug: no other tier
             gw.release(backend)
+            gw.tracing.end_backend_call(span, sent_ns, None, None, "cancelled")
             with contextlib.suppress(BaseException):
                 await stream.aclose()
             raise
         else:
             gw.health.record_success(name)
-            events = _relay(gw, name, backend, first, stream)
+            events = _observe(gw, rec, route.name, name, _relay(gw, name, backend, first, stream), span, sent_ns)
             if route.shadow is not None and route.config.shadow is not None:
                 pair = gw.shadows.mirror(route.name, name, route.shadow, route.config.shadow.max_concurrency,
                                          request)
@@ -79,16 +86,62 @@ async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> S
                     events = tap(events, pair, sent)
             return Served(name, events)
         gw.release(backend)
+        gw.metrics.upstream_errors.labels(name, error.kind).inc()
+        gw.tracing.end_backend_call(span, sent_ns, None, None, error.kind)
         with contextlib.suppress(BaseException):
             await stream.aclose()
         if not error.retriable:
             raise GatewayError.from_backend(error) from None
         gw.health.record_failure(name)
         last = error
-        if len(route.tiers) > 1:
-            log.warning("backend %s failed before the first token (%s); trying the next tier", name, error)
+        if tier + 1 < len(route.tiers):
+            gw.metrics.fallbacks.labels(route.name, name, names[tier + 1]).inc()
+            log.warning("backend %s failed before the first token (%s); trying %s", name, error, names[tier + 1])
     assert last is not None
     raise GatewayError.from_backend(last) from None
+
+
+async def _observe(gw: Gateway, rec: RequestRecord | None, model: str, backend: str,
+                   events: AsyncIterator[TokenEvent], span: Any, sent_ns: int) -> AsyncIterator[TokenEvent]:
+    """Note what the metrics, access log and trace need as the events pass."""
+    itl = gw.metrics.itl.labels(model, backend)
+    log_text = gw.config.server.log_text
+    first: TokenEvent | None = None
+    first_ns: int | None = None
+    previous = 0.0
+    count = 0
+    error: str | None = None
+    if rec is not None:
+        rec.model, rec.backend = model, backend
+    try:
+        async for event in events:
+            now = time.perf_counter()
+            if first is None:
+                first, first_ns = event, time.time_ns()
+                if rec is not None:
+                    ttft = now - rec.started
+                    rec.ttft = ttft if rec.ttft is None else min(rec.ttft, ttft)
+                    rec.queue = event.queue_seconds
+            else:
+                itl.observe(now - previous)
+            previous = now
+            count += 1
+            if rec is not None:
+                if log_text:
+                    rec.output_text += event.text
+                if event.finished:
+                    rec.finish_reason = str(event.finish_reason)
+                    rec.generated_tokens += event.usage.completion_tokens if event.usage else count
+                    rec.prompt_tokens = max(rec.prompt_tokens, event.usage.prompt_tokens if event.usage else 0)
+            yield event
+    except GatewayError as exc:
+        error = exc.kind
+        gw.metrics.upstream_errors.labels(backend, exc.kind).inc()
+        if rec is not None:
+            rec.error = exc.message
+        raise
+    finally:
+        gw.tracing.end_backend_call(span, sent_ns, first, first_ns, error)
 
 
 async def _relay(gw: Gateway, name: str, backend: Backend, first: TokenEvent,

@@ -81,7 +81,8 @@ class ShadowPair:
 
 
 class ShadowRecorder:
-    def __init__(self) -> None:
+    def __init__(self, metrics: Any = None) -> None:
+        self.metrics = metrics
         self.stats: dict[tuple[str, str, str], PairStats] = {}
         self.running: dict[tuple[str, str], int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
@@ -93,6 +94,7 @@ class ShadowRecorder:
         stats = self.stats.setdefault(key, PairStats())
         if self.running.get((model, name), 0) >= max_concurrency:
             stats.dropped += 1  # the candidate is saturated: never queue behind it
+            self._count(key, "dropped")
             return None
         pair = ShadowPair(self, key)
         copy = msgspec.structs.replace(request, request_id=f"shadow-{uuid.uuid4().hex}", stream=True)
@@ -131,6 +133,13 @@ class ShadowRecorder:
             a, b = pair.primary.text, pair.candidate.text
             stats.exact += a == b
             stats.prefix_ratios.append(common_prefix(a, b) / max(len(a), len(b)) if (a or b) else 1.0)
+            self._count(pair.key, "exact" if a == b else "differ")
+        else:
+            self._count(pair.key, "error")
+
+    def _count(self, key: tuple[str, str, str], outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.shadow.labels(*key, outcome).inc()
 
     def report(self) -> list[dict[str, Any]]:
         rows = []

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from backends.base import Backend
 from backends.registry import get_backend_class
@@ -22,6 +23,8 @@ from gateway.errors import GatewayError
 from gateway.health import HealthTracker
 from gateway.router import Router
 from gateway.shadow import ShadowRecorder
+from gateway.telemetry.metrics import GatewayMetrics, engine_state, gauge
+from gateway.telemetry.tracing import Tracing
 
 log = logging.getLogger("llmgw")
 START_TIMEOUT = 600.0  # a new backend must be up within this long for a reload to go ahead
@@ -37,13 +40,17 @@ class Snapshot:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, backends: dict[str, Backend] | None = None,
-                 config_path: str | Path | None = None) -> None:
+                 config_path: str | Path | None = None, tracer_provider: Any = None) -> None:
         server = config.server
         self.health = HealthTracker(server.eject_after_failures, server.eject_cooldown)
         backends = backends if backends is not None else build_backends(config)
         self.snapshot = Snapshot(config, backends, Router(config, backends, self.health))
         self.config_path = Path(config_path) if config_path else None
-        self.shadows = ShadowRecorder()
+        self.metrics = GatewayMetrics(tgi_compatible=server.tgi_metrics)
+        self.metrics.add_state_source(engine_state(self._engines))
+        self.metrics.add_state_source(self._backend_state)
+        self.tracing = Tracing(server.traces, tracer_provider)
+        self.shadows = ShadowRecorder(self.metrics)
         self.in_flight = 0
         self.started: dict[int, bool] = {}  # by id(backend): start() has finished
         self.users: dict[int, int] = {}  # by id(backend): requests generating on it now
@@ -82,6 +89,9 @@ class Gateway:
             log.error("backend %s failed to start: %s: %s", name, type(exc).__name__, exc)
             return False
         self.started[id(backend)] = True
+        engine = getattr(backend, "engine", None)
+        if engine is not None and hasattr(engine, "step_listeners"):
+            engine.step_listeners.append(self._engine_step_observer(name))
         healthy = False
         with contextlib.suppress(Exception):
             healthy = await backend.health()
@@ -101,6 +111,34 @@ class Gateway:
                     async with asyncio.timeout(max(1.0, interval / 2)):
                         healthy = await backend.health()
                 self.health.record_check(name, healthy)
+
+    def _engines(self) -> dict[str, Any]:
+        return {name: getattr(getattr(b, "engine", None), "engine", None) for name, b in self.backends.items()
+                if self.started.get(id(b))}
+
+    def _engine_step_observer(self, name: str) -> Any:
+        batch = self.metrics.engine_batch.labels(name)
+        tokens = self.metrics.engine_tokens.labels(name)
+        seconds = self.metrics.engine_step.labels(name)
+
+        def observe(llm: Any) -> None:  # runs in the engine thread, after each step
+            step = llm.last_step
+            if step is not None:
+                batch.observe(step.num_seqs)
+                tokens.observe(step.num_tokens)
+                seconds.observe(step.seconds)
+            if self.metrics.tgi is not None:
+                self.metrics.tgi.batch_size = len(llm.scheduler.running)
+                self.metrics.tgi.queue_size = len(llm.scheduler.waiting)
+
+        return observe
+
+    def _backend_state(self) -> Iterator[Any]:
+        names = list(self.backends)
+        yield gauge("llmgw_backend_healthy", "1 when the backend passes its health checks and is not ejected",
+                    ["backend"], [([n], float(self.health.describe(n) == "healthy")) for n in names])
+        yield gauge("llmgw_backend_circuit_open", "1 while passive ejection keeps the backend out", ["backend"],
+                    [([n], float(self.health.describe(n) == "ejected")) for n in names])
 
     async def wait_started(self) -> None:
         await asyncio.gather(*self._tasks[: len(self.backends)], return_exceptions=True)

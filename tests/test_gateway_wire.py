@@ -31,6 +31,9 @@ def test_tgi_stream_framing_is_exact(gateway_url: str) -> None:
         raw = r.read()
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-accel-buffering"] == "no" and r.headers["cache-control"] == "no-cache"
+        # TGI's streaming subset of its timing headers only
+        assert r.headers["x-compute-type"] and r.headers["x-compute-characters"] == str(len("The capital of France is"))
+        assert "x-total-time" not in r.headers and "x-generated-tokens" not in r.headers
     payloads = sse_payloads(raw)
     assert b"[DONE]" not in raw and len(payloads) == 5
     events = [json.loads(p) for p in payloads]

@@ -88,6 +88,9 @@ def test_503_or_a_hang_before_the_first_token_falls_back(migration, model: str, 
         text = r.json()["generated_text"]
     assert r.status_code == 200 and text == "Hello world!" and r.headers["x-backend"] == "good"
     assert r.headers["x-config-version"] == httpx.get(f"{url}/info").json()["config_version"]
+    first = "five03" if model == "fb-503" else "slow"
+    assert f'llmgw_fallbacks_total{{from_backend="{first}",model="{model}",to_backend="good"}}' in \
+        httpx.get(f"{url}/metrics").text
 
 
 def test_a_failure_after_the_first_token_is_never_retried(migration) -> None:
@@ -138,6 +141,12 @@ def test_shadow_never_delays_the_primary_and_the_report_matches(migration, tmp_p
     time.sleep(2.5)
     [row] = httpx.get(f"{url}/admin/migrations", headers=ADMIN).json()["pairs"]
     assert row["dropped"] >= 6 and row["compared"] + row["dropped"] == 5 + 14
+    metrics = httpx.get(f"{url}/metrics").text
+    labels = 'candidate="candidate",model="shadowed"'
+    assert f'llmgw_shadow_comparisons_total{{{labels},outcome="differ",primary="primary"}} {row["compared"]}.0' \
+        in metrics
+    assert f'llmgw_shadow_comparisons_total{{{labels},outcome="dropped",primary="primary"}} {row["dropped"]}.0' \
+        in metrics
 
 
 def test_reload_under_load_switches_backends_without_a_failed_request(tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ from gateway.protocol.openai import (
 from gateway.router import ModelRoute
 from gateway.sse import DONE, sse_event, with_keepalive
 from gateway.state import Gateway
+from gateway.telemetry.record import current_record
 
 FINGERPRINT = f"llm-gateway-{__version__}"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -239,7 +240,11 @@ class OpenAIController(Controller):
 
 
 def _route(gw: Gateway, request: Request, model: str | None, user: str | None) -> ModelRoute:
-    return gw.router.require(model, header_key=request.headers.get(gw.config.server.sticky_header), user_key=user)
+    route = gw.router.require(model, header_key=request.headers.get(gw.config.server.sticky_header), user_key=user)
+    rec = current_record.get()
+    if rec is not None:
+        rec.model = route.name
+    return route
 
 
 async def _start_streams(gw: Gateway, route: ModelRoute, requests: list[GenerationRequest]) -> list[Served]:

@@ -33,6 +33,7 @@ from gateway.protocol.tgi import (
 from gateway.router import ModelRoute
 from gateway.sse import sse_event, with_keepalive
 from gateway.state import Gateway
+from gateway.telemetry.record import current_record
 from gateway.tgi_params import ValidTgiRequest, validate_tgi
 
 COMPUTE_TYPE = os.environ.get("COMPUTE_TYPE", "llm-gateway")
@@ -140,7 +141,11 @@ def _error_stream(err: GatewayError) -> AsyncIterator[bytes]:
 
 
 def _route(gw: Gateway, request: Request, model: str | None) -> ModelRoute:
-    return gw.router.require(model, header_key=request.headers.get(gw.config.server.sticky_header))
+    route = gw.router.require(model, header_key=request.headers.get(gw.config.server.sticky_header))
+    rec = current_record.get()
+    if rec is not None:
+        rec.model = route.name
+    return route
 
 
 class TgiController(Controller):

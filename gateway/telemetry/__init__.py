@@ -1,0 +1,1 @@
+"""Metrics, traces and access logs, labelled by model and backend."""

@@ -1,0 +1,34 @@
+"""What one HTTP request did, filled in as it goes and read when its response ends (metrics,
+access log, trace). It travels in a context variable: the stream tasks a request spawns inherit it."""
+
+from __future__ import annotations
+
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    method: str
+    path: str
+    started: float = field(default_factory=time.perf_counter)
+    route: str = ""  # the route template, e.g. /v1/chat/completions
+    model: str = ""
+    backend: str = ""
+    status: int = 0
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft: float | None = None
+    queue: float | None = None
+    error: str = ""
+    prompt_text: str | None = None
+    output_text: str = ""
+    ended: float | None = None
+    span: Any = None  # the request's trace span, when tracing is on
+
+
+current_record: ContextVar[RequestRecord | None] = ContextVar("current_record", default=None)
