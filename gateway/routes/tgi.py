@@ -140,6 +140,12 @@ def _error_stream(err: GatewayError) -> AsyncIterator[bytes]:
     return one()
 
 
+def _note_validation(started: float, validated: float) -> None:
+    rec = current_record.get()
+    if rec is not None:
+        rec.validation = validated - started
+
+
 def _route(gw: Gateway, request: Request, model: str | None) -> ModelRoute:
     route = gw.router.require(model, header_key=request.headers.get(gw.config.server.sticky_header))
     rec = current_record.get()
@@ -158,6 +164,7 @@ class TgiController(Controller):
             v = await validate_tgi(data, route, gw.config.server, stream=False, compat=compat,
                                    traceparent=request.headers.get("traceparent"))
             validated = time.perf_counter()
+            _note_validation(started, validated)
             response, result = await unless_disconnected(request.receive, _generate(gw, route, v))
         headers = _timing_headers(started, validated, result, data.inputs) | route.served_headers(result.backend)
         return Response([response] if compat else response, headers=headers, status_code=200)
@@ -165,9 +172,11 @@ class TgiController(Controller):
     async def _stream_response(self, gw: Gateway, route: ModelRoute, data: GenerateRequest, compat: bool,
                                request: Request) -> Stream:
         headers = {**SSE_HEADERS, "x-compute-characters": str(len(data.inputs))}
+        started = time.perf_counter()
         try:
             v = await validate_tgi(data, route, gw.config.server, stream=True, compat=compat,
                                    traceparent=request.headers.get("traceparent"))
+            _note_validation(started, time.perf_counter())
             gw.enter()
         except GatewayError as err:  # TGI streams start before validation: errors arrive as events
             return Stream(_error_stream(err), media_type="text/event-stream", headers=headers, status_code=200)

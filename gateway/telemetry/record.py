@@ -24,6 +24,7 @@ class RequestRecord:
     generated_tokens: int = 0
     ttft: float | None = None
     queue: float | None = None
+    validation: float | None = None  # seconds spent validating (TGI routes)
     error: str = ""
     prompt_text: str | None = None
     output_text: str = ""

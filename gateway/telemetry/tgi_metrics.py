@@ -57,7 +57,8 @@ class TgiMetrics:
                 inference = max(0.0, duration - queue)
                 h = self.histograms
                 h["tgi_request_duration"].observe(duration)
-                h["tgi_request_validation_duration"].observe(0.0)
+                if rec.validation is not None:
+                    h["tgi_request_validation_duration"].observe(rec.validation)
                 h["tgi_request_queue_duration"].observe(queue)
                 h["tgi_request_inference_duration"].observe(inference)
                 h["tgi_request_mean_time_per_token_duration"].observe(inference / max(1, rec.generated_tokens))
