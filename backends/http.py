@@ -60,6 +60,14 @@ def make_client(settings: HttpSettings) -> httpx.AsyncClient:
         timeout=httpx.Timeout(settings.total_timeout, connect=settings.connect_timeout), limits=limits)
 
 
+async def answers_ok(client: httpx.AsyncClient, path: str, settings: HttpSettings) -> bool:
+    """A health probe: GET `path` answers 200 within the connect timeout."""
+    try:
+        return (await client.get(path, timeout=settings.connect_timeout)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def trace_headers(request: GenerationRequest) -> dict[str, str]:
     return {"traceparent": request.traceparent} if request.traceparent else {}
 

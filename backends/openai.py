@@ -26,6 +26,7 @@ from backends.base import (
 )
 from backends.http import (
     HttpSettings,
+    answers_ok,
     drain,
     drop_none,
     error_for_status,
@@ -67,11 +68,7 @@ class OpenAIBackend:
                 pass  # an upstream that is down now may come up later; health says so
 
     async def health(self) -> bool:
-        try:
-            response = await self.client.get("/v1/models", timeout=self.settings.connect_timeout)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        return await answers_ok(self.client, "/v1/models", self.settings)
 
     def info(self) -> BackendInfo:
         return BackendInfo(backend_type=self.type_name, model_id=self.settings.model, max_model_len=self.max_model_len,

@@ -25,6 +25,7 @@ from backends.base import (
 )
 from backends.http import (
     HttpSettings,
+    answers_ok,
     drop_none,
     error_for_status,
     make_client,
@@ -63,10 +64,7 @@ class TgiBackend:
             pass
 
     async def health(self) -> bool:
-        try:
-            return (await self.client.get("/health", timeout=self.settings.connect_timeout)).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return await answers_ok(self.client, "/health", self.settings)
 
     def info(self) -> BackendInfo:
         return BackendInfo(backend_type=self.type_name, model_id=self.model_id, max_model_len=self.max_total_tokens,

@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Literal
 
-import httpx
 import msgspec
 
 from backends.base import (
@@ -27,6 +26,7 @@ from backends.base import (
 )
 from backends.http import (
     HttpSettings,
+    answers_ok,
     drop_none,
     error_for_status,
     make_client,
@@ -64,11 +64,7 @@ class TritonBackend:
         return None
 
     async def health(self) -> bool:
-        try:
-            response = await self.client.get(f"{self.model_path}/ready", timeout=self.settings.connect_timeout)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        return await answers_ok(self.client, f"{self.model_path}/ready", self.settings)
 
     def info(self) -> BackendInfo:
         return BackendInfo(backend_type=self.type_name, model_id=self.settings.model,
