@@ -8,7 +8,6 @@ Non-streaming responses are the same stream, aggregated.
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import AsyncIterator
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -56,9 +55,6 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
-
-    def remaining_seconds(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.monotonic()
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):
@@ -178,8 +174,5 @@ class Backend(Protocol):
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
-
-def as_backend_error(exc: BaseException) -> BackendError:
-    return exc if isinstance(exc, BackendError) else UpstreamError(describe(exc))
 
 

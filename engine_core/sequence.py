@@ -63,9 +63,5 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
-
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs and self.prompt_logprobs is None

@@ -140,9 +140,6 @@ class Gateway:
         yield gauge("llmgw_backend_circuit_open", "1 while passive ejection keeps the backend out", ["backend"],
                     [([n], float(self.health.describe(n) == "ejected")) for n in names])
 
-    async def wait_started(self) -> None:
-        await asyncio.gather(*self._tasks[: len(self.backends)], return_exceptions=True)
-
     def healthy(self) -> bool:
         """Ready when every model has at least one started backend that is not ejected."""
         snapshot = self.snapshot
