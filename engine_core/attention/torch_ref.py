@@ -63,10 +63,26 @@ class TorchReferenceAttention:
         ks = k_cache[table].flatten(1, 2).transpose(1, 2)
         vs = v_cache[table].flatten(1, 2).transpose(1, 2)
         mask = torch.arange(ks.shape[2]).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
-        qs = (q if all_decode else q[token_rows.long()]).unsqueeze(2)  # [B, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None, None, :], scale=scale,
-                                           enable_gqa=True)
+        qs = q if all_decode else q[token_rows.long()]  # [B, Hq, D]
+        if qs.dtype == torch.float32:
+            o = F.scaled_dot_product_attention(qs.unsqueeze(2), ks, vs, attn_mask=mask[:, None, None, :],
+                                               scale=scale, enable_gqa=True).squeeze(2)
+        else:  # CPU SDPA in bf16/fp16 with a mask and GQA is ~6x slower than this (measured at batch 32)
+            o = _grouped_decode(qs, ks, vs, mask, scale)
         if all_decode:
-            out.copy_(o.squeeze(2))
+            out.copy_(o)
         else:
-            out[token_rows.long()] = o.squeeze(2)
+            out[token_rows.long()] = o
+
+
+def _grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """One query per sequence against [B, Hkv, L, D] keys: query heads grouped per KV head, scores
+    and softmax in fp32."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).reshape(batch, num_heads, head_dim)
