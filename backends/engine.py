@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
@@ -52,17 +51,14 @@ class EngineBackend:
         self.settings = settings
         self.engine: AsyncEngine | None = None
         self.load_error: str | None = None
-        self.load_seconds: float | None = None
 
     async def start(self) -> None:
-        started = time.perf_counter()
         try:
             llm = await asyncio.to_thread(LLMEngine, self.settings.engine_config())
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
-        self.engine = AsyncEngine(llm)
-        self.load_seconds = time.perf_counter() - started
+        self.engine = AsyncEngine(llm)  # llm.load_seconds says how long loading took
 
     @property
     def llm(self) -> LLMEngine:

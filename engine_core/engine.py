@@ -139,8 +139,6 @@ class LLMEngine:
             token = result.token_ids[i]
             first = seq.num_output_tokens == 0
             seq.token_ids.append(token)
-            if result.logprobs[i] is not None:
-                seq.output_logprobs.append((result.logprobs[i], result.top_logprobs[i]))
             outputs.append(self._output(seq, token, result.logprobs[i], result.top_logprobs[i], first))
         return outputs
 

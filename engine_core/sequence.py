@@ -39,8 +39,6 @@ class Sequence:
     seed: int | None = None
     # prompt-token logprobs (TGI decoder_input_details): entry i is the logprob of prompt token i+1
     prompt_logprobs: list[TokenLogprob] | None = None
-    # per output token: (chosen logprob, top alternatives)
-    output_logprobs: list[tuple[float, list[TokenLogprob]]] = field(default_factory=list)
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:

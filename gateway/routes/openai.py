@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 from litestar import Controller, Request, Response, get, post
@@ -140,12 +141,7 @@ class OpenAIController(Controller):
     @staticmethod
     def _chat_stream(gw: Gateway, served: list[Served], model: str, response_id: str, created: int,
                      want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
-        def chunk(choices: list[ChunkChoice], usage: UsageOut | None = None) -> bytes:
-            c = ChatCompletionChunk(id=response_id, created=created, model=model, system_fingerprint=FINGERPRINT,
-                                    choices=choices)
-            if include_usage:
-                c.usage = usage
-            return sse_event(c)
+        chunk = _chunker(ChatCompletionChunk, response_id, created, model, include_usage)
 
         def render(index: int, e: TokenEvent) -> bytes | None:
             if not e.text and not e.finished and not want_logprobs:
@@ -218,12 +214,7 @@ class OpenAIController(Controller):
                            n: int) -> AsyncIterator[bytes]:
         offsets = [len(e) for e in echoes]
 
-        def chunk(choices: list[CompletionChoice], usage: UsageOut | None = None) -> bytes:
-            c = CompletionResponse(id=response_id, created=created, model=model, system_fingerprint=FINGERPRINT,
-                                   choices=choices)
-            if include_usage:
-                c.usage = usage
-            return sse_event(c)
+        chunk = _chunker(CompletionResponse, response_id, created, model, include_usage)
 
         def render(index: int, e: TokenEvent) -> bytes | None:
             if not e.text and not e.finished and logprobs is None:
@@ -237,6 +228,19 @@ class OpenAIController(Controller):
                     for i, echo in enumerate(echoes) if echo]
         return _sse(gw, served, render, (lambda u: chunk([], u)) if include_usage else None,
                     choices_per_prompt=n, preamble=preamble)
+
+
+def _chunker(kind: type[ChatCompletionChunk] | type[CompletionResponse], response_id: str, created: int, model: str,
+             include_usage: bool) -> Callable[..., bytes]:
+    """Encode one stream chunk; `usage` is on every chunk (null but the last) only with include_usage."""
+
+    def chunk(choices: list[Any], usage: UsageOut | None = None) -> bytes:
+        c = kind(id=response_id, created=created, model=model, system_fingerprint=FINGERPRINT, choices=choices)
+        if include_usage:
+            c.usage = usage
+        return sse_event(c)
+
+    return chunk
 
 
 def _route(gw: Gateway, request: Request, model: str | None, user: str | None) -> ModelRoute:
