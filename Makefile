@@ -36,7 +36,7 @@ run: install
 	$(VENV)/bin/llmgw serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
 lint: install
-	$(VENV)/bin/ruff check gateway backends engine_core tests benchmarks
+	$(VENV)/bin/ruff check gateway backends engine_core llmgw_bench tests benchmarks
 
 # the whole suite, with a real vLLM server for the openai backend
 test: install vllm-env lint

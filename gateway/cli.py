@@ -74,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--admin-key", default=None, help="default: $LLMGW_ADMIN_KEY")
     report.add_argument("--json", action="store_true")
     report.set_defaults(func=_migration_report)
+    # listed for --help; its own parser reads the rest of the line
+    sub.add_parser("bench", help="TTFT and tokens/s of any TGI or OpenAI endpoint; `bench compare A.json B.json`")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from llmgw_bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.func(args)

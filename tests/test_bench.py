@@ -1,0 +1,194 @@
+"""`llmgw bench`: its figures against a server with scripted timings, and against the real gateway."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image
+import pytest
+
+from llmgw_bench.api import RequestResult
+from llmgw_bench.metrics import parse_slo, summarize
+from llmgw_bench.runner import arrival_times
+from llmgw_bench.workload import local_counter, random_samples
+from tests.server import PROCESSES, ROOT
+from tests.upstream import CUT, Reply, scripted_upstream, sse
+
+FIRST, GAP, TOKENS = 0.25, 0.03, 12  # the scripted server: first token after FIRST s, then one every GAP s
+
+
+def llmgw_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway", "bench", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def timed_stream(api: str) -> Reply:
+    """TOKENS tokens: the first after FIRST seconds, the others GAP apart; usage as the server reports it."""
+    pieces: list[Any] = [FIRST]
+    for i in range(TOKENS):
+        if i:
+            pieces.append(GAP)
+        last = i == TOKENS - 1
+        if api == "tgi":
+            event = {"index": i + 1, "token": {"id": 7, "text": " w", "logprob": -0.1, "special": False},
+                     "generated_text": " w" * TOKENS if last else None,
+                     "details": {"finish_reason": "length", "generated_tokens": TOKENS, "seed": None} if last else None}
+        elif api == "openai-chat":
+            event = {"choices": [{"index": 0, "delta": {"content": " w"}, "finish_reason": "length" if last else None}]}
+        else:
+            event = {"choices": [{"index": 0, "text": " w", "finish_reason": "length" if last else None}]}
+        pieces.append(sse(event))
+    if api != "tgi":
+        pieces.append(sse({"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": TOKENS}}, b"[DONE]"))
+    return Reply(pieces)
+
+
+ROUTES = {("POST", "/v1/chat/completions"): timed_stream("openai-chat"),
+          ("POST", "/v1/completions"): timed_stream("openai-completions"),
+          ("POST", "/generate_stream"): timed_stream("tgi")}
+
+
+@pytest.mark.parametrize("api", ["openai-chat", "openai-completions", "tgi"])
+def test_reported_timings_match_a_scripted_server(api: str, smollm_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    with scripted_upstream(ROUTES) as upstream:
+        done = llmgw_bench("--url", upstream.url, "--api", api, "--model", "m", "--tokenizer", str(smollm_dir),
+                           "--input-len", "20", "--output-len", str(TOKENS), "--num-requests", "12",
+                           "--concurrency", "4", "--warmup", "0", "--no-metrics", "--no-plots", "--no-progress",
+                           "--output", str(out))
+        assert done.returncode == 0, done.stderr
+        assert len(upstream.requests) == 12
+    run = json.loads(out.read_text())["runs"][0]
+    summary = run["summary"]
+    assert summary["completed"] == 12 and summary["errors"] == {}
+    assert {(r["output_tokens"], r["output_tokens_from"]) for r in run["requests"]} == {
+        (TOKENS, "details" if api == "tgi" else "usage")}
+    # sleeps overshoot and the machine is shared: late by a little, never early
+    assert FIRST <= summary["ttft_s"]["p50"] < FIRST + 0.1
+    assert GAP <= summary["tpot_s"]["mean"] < GAP * 1.5
+    assert GAP * 0.9 <= summary["itl_s"]["p50"] < GAP + 0.015
+    assert len([gap for r in run["requests"] for gap in r["itl"]]) == 12 * (TOKENS - 1)  # ITL pools every gap
+    expected_e2el = FIRST + (TOKENS - 1) * GAP
+    assert expected_e2el <= summary["e2el_s"]["p50"] < expected_e2el * 1.3
+    # three rounds of four requests, each round one E2EL long
+    expected_rate = 12 * TOKENS / (3 * expected_e2el)
+    assert expected_rate * 0.7 < summary["output_throughput"] <= expected_rate * 1.02
+    assert summary["output_throughput"] == pytest.approx(12 * TOKENS / summary["duration_s"])
+
+
+def test_failures_are_counted_by_kind(smollm_dir: Path, tmp_path: Path) -> None:
+    calls = iter(range(1000))
+    good = timed_stream("openai-completions")
+
+    def answer(_body: dict[str, Any]) -> Reply:
+        kind = next(calls) % 5
+        if kind == 1:
+            return Reply([b'{"error": {"message": "busy"}}'], 429, "application/json")
+        if kind == 2:
+            return Reply([sse({"choices": [{"index": 0, "text": " w", "finish_reason": None}]}), CUT])
+        if kind == 3:
+            return Reply([sse({"error": {"message": "engine died", "type": "internal"}})])
+        if kind == 4:  # a clean end of stream, but no finish_reason
+            return Reply([sse({"choices": [{"index": 0, "text": " w", "finish_reason": None}]}, b"[DONE]")])
+        return good
+
+    out = tmp_path / "result.json"
+    with scripted_upstream({("POST", "/v1/completions"): answer}) as upstream:
+        done = llmgw_bench("--url", upstream.url, "--api", "openai-completions", "--model", "m", "--tokenizer",
+                           str(smollm_dir), "--input-len", "8", "--output-len", str(TOKENS), "--num-requests", "10",
+                           "--concurrency", "1", "--warmup", "0", "--no-metrics", "--no-plots", "--no-progress",
+                           "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    assert summary["completed"] == 2
+    assert summary["errors"] == {"http_429": 2, "disconnected": 2, "stream_error": 2, "incomplete": 2}
+    assert "Errors by kind" in done.stdout
+
+
+def test_gateway_run_counts_tokens_as_the_server_does(gateway_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    done = llmgw_bench("--url", gateway_url, "--api", "openai-completions", "--tokenizer", "server",
+                       "--input-len", "24", "--output-len", "8", "--ignore-eos", "--num-requests", "6",
+                       "--concurrency", "1,3", "--pid", str(PROCESSES[gateway_url].pid), "--sample-interval", "0.1",
+                       "--no-progress", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert [run["label"] for run in result["runs"]] == ["c=1", "c=3"]
+    for run in result["runs"]:
+        for request in run["requests"]:
+            assert request["ok"] and request["output_tokens_from"] == "usage"
+            assert request["output_tokens"] == 8  # ignore_eos: exactly --output-len
+            assert request["prompt_tokens"] == request["input_len"] == 24  # exact prompt lengths
+            assert 0 < request["ttft"] <= request["latency"]
+        assert run["summary"]["total_output_tokens"] == 6 * 8
+        samples = run["resources"]["samples"]
+        assert samples and all(s["cpu_percent"] >= 0 and s["rss_mb"] > 100 for s in samples)
+        assert {"kv_cache_usage", "running", "waiting"} <= set(samples[-1])
+    plots = tmp_path / "engine-plots"
+    for name in ("latency_cdf.png", "sweep.png", "resources.png"):
+        image = matplotlib.image.imread(plots / name)
+        assert image.shape[0] > 100 and image.shape[1] > 100
+    assert "Output token throughput (tok/s)" in done.stdout
+
+    tgi = tmp_path / "tgi.json"
+    done = llmgw_bench("--url", gateway_url, "--api", "tgi", "--tokenizer", "server", "--input-len", "24",
+                       "--output-len", "8", "--num-requests", "3", "--concurrency", "3", "--no-progress",
+                       "--no-plots", "--output", str(tgi))
+    assert done.returncode == 0, done.stderr
+    for request in json.loads(tgi.read_text())["runs"][0]["requests"]:
+        assert request["output_tokens_from"] == "details"
+        assert request["output_tokens"] == request["chunks"]  # one TGI event per token
+
+    compared = llmgw_bench("compare", str(out), str(tgi), "--plots-dir", str(tmp_path / "ab"))
+    assert compared.returncode == 0, compared.stderr
+    assert "B/A" in compared.stdout and "c=3" in compared.stdout and "c=1" not in compared.stdout
+    assert matplotlib.image.imread(tmp_path / "ab" / "latency_cdf.png").shape[0] > 100
+
+
+def test_random_prompts_have_exact_token_counts_and_repeat_by_seed(smollm_dir: Path) -> None:
+    counter = local_counter(str(smollm_dir))
+    samples = random_samples(counter, 5, 50, 16, range_ratio=0.2, prefix_len=10, seed=3)
+    assert all(40 <= s.input_len <= 60 + 10 and counter(s.prompt) == s.input_len for s in samples)
+    assert all(12 <= s.output_len <= 19 for s in samples)
+    assert len({s.prompt.split()[0] for s in samples}) == 1  # the shared prefix
+    assert samples == random_samples(counter, 5, 50, 16, range_ratio=0.2, prefix_len=10, seed=3)
+    assert samples != random_samples(counter, 5, 50, 16, range_ratio=0.2, prefix_len=10, seed=4)
+    exact = random_samples(counter, 4, 37, 8, seed=1)
+    assert [s.input_len for s in exact] == [37] * 4
+
+
+def test_metrics_follow_vllm_definitions() -> None:
+    def request(ttft: float, gaps: list[float], tokens: int, ok: bool = True) -> RequestResult:
+        return RequestResult(0.0, 10, ok=ok, error=None if ok else "timeout", ttft=ttft, itl=gaps,
+                             latency=ttft + sum(gaps), output_tokens=tokens)
+
+    results = [request(0.1, [0.02, 0.04], 3), request(0.3, [0.1], 2), request(0.2, [], 1),
+               request(0.0, [], 0, ok=False)]
+    summary = summarize(results, duration=2.0, slo=parse_slo("ttft=250ms,tpot=0.05s"))
+    assert summary["completed"] == 3 and summary["errors"] == {"timeout": 1}
+    assert summary["tpot_s"]["mean"] == pytest.approx((0.03 + 0.1) / 2)  # the one-token answer has no TPOT
+    assert summary["itl_s"]["mean"] == pytest.approx((0.02 + 0.04 + 0.1) / 3)  # gaps pooled
+    assert summary["output_throughput"] == pytest.approx(6 / 2.0)
+    assert summary["total_token_throughput"] == pytest.approx((30 + 6) / 2.0)
+    assert summary["good_requests"] == 2  # the second misses both SLOs
+    assert summary["goodput"] == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        parse_slo("latency=5")
+
+
+def test_poisson_arrivals_end_at_n_over_rate_and_repeat_by_seed() -> None:
+    times = arrival_times(400, 20.0, 1.0, seed=0)
+    assert times[-1] == pytest.approx(400 / 20.0)
+    assert times == sorted(times) and times == arrival_times(400, 20.0, 1.0, seed=0)
+    gaps = [b - a for a, b in zip([0.0, *times], times)]
+    mean = sum(gaps) / len(gaps)
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+    assert 0.8 < cv < 1.2  # exponential gaps: coefficient of variation 1
+    bursty = arrival_times(400, 20.0, 0.25, seed=0)
+    bursty_gaps = [b - a for a, b in zip([0.0, *bursty], bursty)]
+    bursty_mean = sum(bursty_gaps) / len(bursty_gaps)
+    assert (sum((g - bursty_mean) ** 2 for g in bursty_gaps) / len(bursty_gaps)) ** 0.5 / bursty_mean > 1.5
