@@ -17,7 +17,9 @@ from backends.base import (
     TokenEvent,
     TokenLogprob,
     TokenSpan,
+    UpstreamError,
     Usage,
+    describe,
 )
 from engine_core import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, RequestError, SamplingParams
 from engine_core import TokenLogprob as EngineLogprob
@@ -114,6 +116,8 @@ class EngineBackend:
             raise BackendValidationError(str(exc)) from None
         except EngineDeadError as exc:
             raise BackendUnavailableError(str(exc)) from None
+        except Exception as exc:  # a failed step: every request in it ends with this error, the engine goes on
+            raise UpstreamError(f"{self.name}: engine step failed: {describe(exc)}") from None
 
     def _logprob(self, entry: EngineLogprob) -> TokenLogprob:
         return TokenLogprob(entry.token_id, self.llm.tokenizer.decode([entry.token_id]), entry.logprob)

@@ -22,6 +22,7 @@ from backends.base import (
     TokenEvent,
     TokenLogprob,
     TokenSpan,
+    UpstreamError,
     Usage,
 )
 from backends.http import (
@@ -190,9 +191,9 @@ def _decode(data: str, backend: str) -> dict[str, Any]:
     try:
         chunk = msgspec.json.decode(data)
     except msgspec.DecodeError:
-        raise error_for_status(502, f"not JSON in the event stream: {data[:200]!r}", backend) from None
+        raise UpstreamError(f"{backend}: not JSON in the event stream: {data[:200]!r}") from None
     if not isinstance(chunk, dict):
-        raise error_for_status(502, f"unexpected event: {data[:200]!r}", backend)
+        raise UpstreamError(f"{backend}: unexpected event: {data[:200]!r}")
     return chunk
 
 

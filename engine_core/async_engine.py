@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -31,6 +32,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._stopping = False
         self.step_listeners: list[Callable[[LLMEngine], None]] = []  # called after each step, in the thread
+        self.abort_listeners: list[Callable[[float], None]] = []  # seconds from abort() to blocks freed
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -66,7 +68,15 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._submit(lambda: self.engine.abort(request_id))
+        asked = time.perf_counter()
+
+        def run() -> None:
+            self.engine.abort(request_id)
+            waited = time.perf_counter() - asked
+            for listener in self.abort_listeners:
+                listener(waited)
+
+        self._submit(run)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` in the engine thread between steps and return its result."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+INT32_MAX = 2**31 - 1  # TGI's top_k is an i32; torch needs it to fit anyway
+UINT64_MAX = 2**64 - 1  # the widest seed torch.Generator takes
 
 
 @dataclass(slots=True)
@@ -30,9 +34,14 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
         checks = [
             (self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 <= self.top_k <= INT32_MAX, f"top_k must be in [0, {INT32_MAX}]"),
+            (self.seed is None or 0 <= self.seed <= UINT64_MAX, f"seed must be in [0, {UINT64_MAX}]"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (0 < self.typical_p <= 1, "typical_p must be in (0, 1]"),

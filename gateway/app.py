@@ -21,6 +21,7 @@ from gateway import __version__
 from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import GatewayError
 from gateway.generation import ClientGone
+from gateway.guards import AuthMiddleware, ClientLimitsMiddleware
 from gateway.routes.admin import AdminController
 from gateway.routes.openai import OpenAIController
 from gateway.routes.tgi import TgiController
@@ -28,7 +29,6 @@ from gateway.state import Gateway
 from gateway.telemetry.middleware import TelemetryMiddleware
 
 log = logging.getLogger("llmgw")
-MAX_BODY_BYTES = 2_000_000  # TGI's default --payload-limit
 
 
 async def _reload_logged(gateway: Gateway) -> None:
@@ -44,9 +44,7 @@ def _is_openai(request: Request) -> bool:
 
 
 def _respond(request: Request, err: GatewayError) -> Response:
-    if _is_openai(request):
-        return Response(err.openai_body(), status_code=err.openai_status())
-    return Response(err.tgi_body(), status_code=err.tgi_status())
+    return Response(**err.response_args(_is_openai(request)))
 
 
 def _on_gateway_error(request: Request, exc: GatewayError) -> Response:
@@ -112,9 +110,16 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @get("/live", summary="200 while the process runs (liveness; /health is readiness)", operation_id="live")
+    async def live() -> Response:
+        return Response(b"", status_code=200)
+
+    # outermost first: the access log sees every answer, limits apply before keys are checked
+    middleware: list[Any] = [lambda app: TelemetryMiddleware(app, gateway)] if config.server.telemetry else []
+    middleware += [lambda app: ClientLimitsMiddleware(app, gateway), lambda app: AuthMiddleware(app, gateway)]
     app = Litestar(
-        route_handlers=[TgiController, OpenAIController, AdminController, metrics],
-        middleware=[lambda app: TelemetryMiddleware(app, gateway)] if config.server.telemetry else [],
+        route_handlers=[TgiController, OpenAIController, AdminController, metrics, live],
+        middleware=middleware,
         dependencies={"gateway": Provide(provide_gateway, sync_to_thread=False)},
         lifespan=[lifespan],
         exception_handlers={
@@ -125,7 +130,7 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
             Exception: _on_unexpected,
         },
         openapi_config=OpenAPIConfig(title="llm-gateway", version=__version__, path="/docs"),
-        request_max_body_size=MAX_BODY_BYTES,
+        request_max_body_size=None,  # ClientLimitsMiddleware enforces server.max_body_bytes
         debug=False,
     )
     app.state.gateway = gateway

@@ -17,6 +17,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.draining_server import DrainingServer
 
     config = load_config(args.config)
     host = args.host or config.server.host
@@ -25,8 +26,11 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     configure_logging(config.server.log_format)
     print(config.describe(), file=sys.stderr)
-    uvicorn.run(create_app(config, config_path=args.config), host=host, port=port, log_level=args.log_level,
-                timeout_graceful_shutdown=30, access_log=False)  # our own access log replaces uvicorn's
+    app = create_app(config, config_path=args.config)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5, access_log=False),  # our own access log
+                            app.state.gateway)
+    server.run()
     return 0
 
 

@@ -7,6 +7,7 @@ ConfigError for a bad file.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -42,6 +43,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     traces: Literal["none", "console", "otlp"] = "none"  # OpenTelemetry exporter; otlp needs its package
     log_format: Literal["json", "console"] = "json"  # access log lines
     log_text: bool = False  # put prompt and output text in the access log (off: never logged)
+    max_body_bytes: int = 2_000_000  # TGI's default --payload-limit; over it: 413
+    body_timeout: float = 30.0  # seconds a client may take to send its request body; over it: 408
+    send_timeout: float = 60.0  # seconds one response write may wait on a client that does not read
+    drain_timeout: float = 30.0  # on SIGTERM: seconds requests in flight get to finish before exit
 
 
 class WeightedRoute(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -67,6 +72,27 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     default_max_new_tokens: int | None = None  # when a request gives none; default: what the context allows
     max_new_tokens: int | None = None  # cap on what a request may ask for
     chat_template: str | None = None  # overrides the model's own template
+    max_concurrent_requests: int | None = None  # requests generating on this model at once
+    max_queued_requests: int = 0  # over the concurrency limit, up to this many wait (0: 429 at once)...
+    max_queue_wait: float = 30.0  # ...for at most this many seconds, then 429
+    request_timeout: float | None = None  # seconds for a whole generation, whatever the backend
+    retries: int = 0  # retries of the same backend before its first token (then the next fallback tier)
+    retry_backoff: float = 0.1  # base of the exponential backoff, in seconds, with full jitter
+
+
+class ApiKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    name: str  # shown in logs and metrics instead of the key
+    key: str | None = None  # the key itself, or:
+    key_env: str | None = None  # the environment variable holding it
+    models: list[str] = []  # models (or aliases) it may use; empty: all
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None  # prompt + generated tokens
+
+
+class AuthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    keys: list[ApiKey] = []  # none: the generation routes are open
+    protect_health: bool = False  # /health, /ping, /info need a key too
+    protect_metrics: bool = False  # /metrics needs a key (any key, or the admin key)
 
 
 class BackendEntry(msgspec.Struct, frozen=True):
@@ -77,6 +103,7 @@ class BackendEntry(msgspec.Struct, frozen=True):
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     server: ServerConfig
+    auth: AuthConfig = AuthConfig()
     backends: dict[str, BackendEntry]
     models: dict[str, ModelConfig]
     default_model: str
@@ -114,7 +141,7 @@ def primary_routes(model: ModelConfig) -> list[WeightedRoute]:
     return list(model.routes) if model.routes else [WeightedRoute(model.backend or "", 1.0)]
 
 
-_TOP_LEVEL = {"server", "backends", "models", "default_model"}
+_TOP_LEVEL = {"server", "auth", "backends", "models", "default_model"}
 
 
 def _where(prefix: str, exc: msgspec.ValidationError) -> str:
@@ -147,6 +174,7 @@ def parse_config(text: str, source: str = "<memory>") -> GatewayConfig:
         if key not in _TOP_LEVEL:
             raise ConfigError(f"{key}: unknown key (expected one of {sorted(_TOP_LEVEL)})")
     server = _convert(raw.get("server", {}), ServerConfig, "server")
+    auth = _convert(raw.get("auth", {}), AuthConfig, "auth")
 
     raw_backends = raw.get("backends", {})
     if not isinstance(raw_backends, dict) or not raw_backends:
@@ -188,8 +216,33 @@ def parse_config(text: str, source: str = "<memory>") -> GatewayConfig:
         raise ConfigError("default_model: expected a string")
     if default_model not in seen_names:
         raise ConfigError(f"default_model: no model named {default_model!r} (defined: {sorted(models)})")
-    return GatewayConfig(server=server, backends=backends, models=models, default_model=seen_names[default_model],
-                         source=source, version=hashlib.sha256(text.encode()).hexdigest()[:12])
+    _check_auth(auth, seen_names)
+    return GatewayConfig(server=server, auth=auth, backends=backends, models=models,
+                         default_model=seen_names[default_model], source=source,
+                         version=hashlib.sha256(text.encode()).hexdigest()[:12])
+
+
+def _check_auth(auth: AuthConfig, model_names: dict[str, str]) -> None:
+    """Keys must be present (an environment variable that is unset is an error) and never shown."""
+    names: set[str] = set()
+    for i, key in enumerate(auth.keys):
+        where = f"auth.keys[{i}]"
+        if key.name in names:
+            raise ConfigError(f"{where}.name: {key.name!r} is used twice")
+        names.add(key.name)
+        if (key.key is None) == (key.key_env is None):
+            raise ConfigError(f"{where}: give either `key` or `key_env`")
+        if key.key_env is not None and not os.environ.get(key.key_env):
+            raise ConfigError(f"{where}.key_env: environment variable {key.key_env} is not set")
+        if key.key is not None and len(key.key) < 8:
+            raise ConfigError(f"{where}.key: too short (at least 8 characters)")
+        for j, model in enumerate(key.models):
+            if model not in model_names:
+                raise ConfigError(f"{where}.models[{j}]: no model named {model!r}")
+        for limit in ("requests_per_minute", "tokens_per_minute"):
+            value = getattr(key, limit)
+            if value is not None and value < 1:
+                raise ConfigError(f"{where}.{limit}: must be >= 1, got {value}")
 
 
 def _check_routing(name: str, model: ModelConfig, backends: dict[str, BackendEntry]) -> None:
@@ -222,6 +275,15 @@ def _check_limits(name: str, model: ModelConfig) -> None:
                           f"({model.max_input_tokens} >= {model.max_total_tokens})")
     if model.default_max_new_tokens and model.max_new_tokens and model.default_max_new_tokens > model.max_new_tokens:
         raise ConfigError(f"models.{name}.default_max_new_tokens: must be <= max_new_tokens")
+    if model.max_concurrent_requests is not None and model.max_concurrent_requests < 1:
+        raise ConfigError(f"models.{name}.max_concurrent_requests: must be >= 1, got {model.max_concurrent_requests}")
+    for key in ("max_queued_requests", "retries"):
+        if getattr(model, key) < 0:
+            raise ConfigError(f"models.{name}.{key}: must be >= 0, got {getattr(model, key)}")
+    for key in ("max_queue_wait", "request_timeout", "retry_backoff"):
+        value = getattr(model, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"models.{name}.{key}: must be > 0, got {value:g}")
 
 
 def load_config(path: str | Path) -> GatewayConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from backends.base import BackendError
 from gateway.protocol.openai import OpenAIError, OpenAIErrorResponse
@@ -15,10 +16,14 @@ _KINDS: dict[str, tuple[int, str, str]] = {
     "config": (400, "config", "invalid_request_error"),
     "model_not_found": (404, "model_not_found", "invalid_request_error"),
     "unauthorized": (401, "unauthorized", "authentication_error"),
+    "forbidden": (403, "forbidden", "permission_error"),
     "overloaded": (429, "overloaded", "rate_limit_error"),
+    "rate_limited": (429, "rate_limited", "rate_limit_error"),
     "unavailable": (503, "unavailable", "service_unavailable_error"),
     "healthcheck": (503, "healthcheck", "service_unavailable_error"),
     "timeout": (504, "timeout", "timeout_error"),
+    "request_timeout": (408, "request_timeout", "invalid_request_error"),
+    "payload_too_large": (413, "payload_too_large", "invalid_request_error"),
     "upstream": (424, "generation", "server_error"),
     "internal": (500, "internal", "server_error"),
 }
@@ -31,6 +36,7 @@ class GatewayError(Exception):
     param: str | None = None  # the request field at fault (OpenAI's `param`)
     code: str | None = None  # OpenAI's `code`
     status: int | None = None  # overrides the kind's status
+    headers: dict[str, str] | None = None  # e.g. retry-after
 
     def __str__(self) -> str:
         return self.message
@@ -57,6 +63,12 @@ class GatewayError(Exception):
             return self.status
         status = _KINDS[self.kind][0]
         return 400 if status == 422 else 502 if self.kind == "upstream" else status
+
+    def response_args(self, openai: bool) -> dict[str, Any]:
+        """Body, status and headers for a response in either protocol's shape."""
+        if openai:
+            return {"content": self.openai_body(), "status_code": self.openai_status(), "headers": self.headers}
+        return {"content": self.tgi_body(), "status_code": self.tgi_status(), "headers": self.headers}
 
     def openai_body(self) -> OpenAIErrorResponse:
         code = self.code or (self.kind if self.kind not in ("validation", "template") else None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from backends.base import (
     Usage,
     describe,
 )
+from gateway.auth import Principal, current_principal
 from gateway.errors import GatewayError
 from gateway.router import ModelRoute
 from gateway.shadow import tap
@@ -52,64 +54,87 @@ class Served:
 
 async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> Served:
     """Send the request to the route's first tier; when it fails before its first token (cannot
-    connect, 5xx, 429, first-token timeout) go on to the next. The stream returned has its first
-    token in hand: after that nothing is retried, and a failure ends it with a typed error."""
+    connect, 5xx, 429, first-token timeout) retry it up to `retries` times with backoff, then go on
+    to the next tier. The stream returned has its first token in hand: after that nothing is
+    retried, and a failure ends it with a typed error."""
     sent = time.perf_counter()
     rec = current_record.get()
+    principal = current_principal.get()
     names = [name for name, _ in route.tiers]
+    timeout = route.config.request_timeout
+    deadline = asyncio.get_running_loop().time() + timeout if timeout else None
     gw.tracing.routed(rec, route.name, names, request)
     last: BackendError | None = None
     for tier, (name, backend) in enumerate(route.tiers):
-        span, attempt = gw.tracing.backend_call(rec, name, request)
-        sent_ns = time.time_ns()
-        gw.acquire(backend)
-        stream = backend.generate(attempt).__aiter__()
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            error: BackendError = UpstreamError(f"{name}: the stream ended before any token")
-        except BackendError as exc:
-            error = exc
-        except BaseException:  # cancelled (the client left) or a backend bug: no other tier
+        for attempt in range(1 + route.config.retries):
+            if attempt:
+                gw.metrics.retries.labels(route.name, name).inc()
+                await asyncio.sleep(backoff(route.config.retry_backoff, attempt))
+            span, sent_request = gw.tracing.backend_call(rec, name, request)
+            sent_ns = time.time_ns()
+            gw.acquire(backend)
+            stream = backend.generate(sent_request).__aiter__()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    first = await stream.__anext__()
+            except StopAsyncIteration:
+                error: BackendError = UpstreamError(f"{name}: the stream ended before any token")
+            except BackendError as exc:
+                error = exc
+            except BaseException as exc:  # cancelled (the client left), out of time, or a backend bug
+                gw.release(backend)
+                gw.tracing.end_backend_call(span, sent_ns, None, None, "cancelled")
+                with contextlib.suppress(BaseException):
+                    await stream.aclose()
+                if isinstance(exc, TimeoutError):
+                    raise _timed_out(timeout) from None
+                raise
+            else:
+                gw.health.record_success(name)
+                relayed = _relay(gw, name, backend, first, stream, deadline, timeout)
+                events = _observe(gw, rec, principal, route.name, name, relayed, span, sent_ns)
+                if route.shadow is not None and route.config.shadow is not None:
+                    pair = gw.shadows.mirror(route.name, name, route.shadow, route.config.shadow.max_concurrency,
+                                             request)
+                    if pair is not None:
+                        events = tap(events, pair, sent)
+                return Served(name, events)
             gw.release(backend)
-            gw.tracing.end_backend_call(span, sent_ns, None, None, "cancelled")
+            gw.metrics.upstream_errors.labels(name, error.kind).inc()
+            gw.tracing.end_backend_call(span, sent_ns, None, None, error.kind)
             with contextlib.suppress(BaseException):
                 await stream.aclose()
-            raise
-        else:
-            gw.health.record_success(name)
-            events = _observe(gw, rec, route.name, name, _relay(gw, name, backend, first, stream), span, sent_ns)
-            if route.shadow is not None and route.config.shadow is not None:
-                pair = gw.shadows.mirror(route.name, name, route.shadow, route.config.shadow.max_concurrency,
-                                         request)
-                if pair is not None:
-                    events = tap(events, pair, sent)
-            return Served(name, events)
-        gw.release(backend)
-        gw.metrics.upstream_errors.labels(name, error.kind).inc()
-        gw.tracing.end_backend_call(span, sent_ns, None, None, error.kind)
-        with contextlib.suppress(BaseException):
-            await stream.aclose()
-        if not error.retriable:
-            raise GatewayError.from_backend(error) from None
-        gw.health.record_failure(name)
-        last = error
+            if not error.retriable:
+                raise GatewayError.from_backend(error) from None
+            gw.health.record_failure(name)
+            last = error
+            log.warning("backend %s failed before the first token (attempt %d): %s", name, attempt + 1, error)
         if tier + 1 < len(route.tiers):
             gw.metrics.fallbacks.labels(route.name, name, names[tier + 1]).inc()
-            log.warning("backend %s failed before the first token (%s); trying %s", name, error, names[tier + 1])
+            log.warning("backend %s failed; trying %s", name, names[tier + 1])
     assert last is not None
     raise GatewayError.from_backend(last) from None
 
 
-async def _observe(gw: Gateway, rec: RequestRecord | None, model: str, backend: str,
+def backoff(base: float, attempt: int, cap: float = 5.0) -> float:
+    """Exponential backoff with full jitter (AWS's): uniform in [0, min(cap, base * 2^attempt))."""
+    return random.uniform(0.0, min(cap, base * 2 ** attempt))
+
+
+def _timed_out(timeout: float | None) -> GatewayError:
+    return GatewayError(f"the request took longer than its {timeout:g} s limit (request_timeout)", kind="timeout")
+
+
+async def _observe(gw: Gateway, rec: RequestRecord | None, principal: Principal | None, model: str, backend: str,
                    events: AsyncIterator[TokenEvent], span: Any, sent_ns: int) -> AsyncIterator[TokenEvent]:
-    """Note what the metrics, access log and trace need as the events pass."""
+    """Note what the metrics, access log, trace and the key's token budget need as the events pass."""
     itl = gw.metrics.itl.labels(model, backend)
     log_text = gw.config.server.log_text
     first: TokenEvent | None = None
     first_ns: int | None = None
     previous = 0.0
     count = 0
+    usage: Usage | None = None
     error: str | None = None
     if rec is not None:
         rec.model, rec.backend = model, backend
@@ -126,6 +151,8 @@ async def _observe(gw: Gateway, rec: RequestRecord | None, model: str, backend: 
                 itl.observe(now - previous)
             previous = now
             count += 1
+            if event.finished:
+                usage = event.usage
             if rec is not None:
                 if log_text:
                     rec.output_text += event.text
@@ -142,19 +169,24 @@ async def _observe(gw: Gateway, rec: RequestRecord | None, model: str, backend: 
         raise
     finally:
         gw.tracing.end_backend_call(span, sent_ns, first, first_ns, error)
+        if principal is not None:
+            principal.charge_tokens(usage.total_tokens if usage else count)
 
 
-async def _relay(gw: Gateway, name: str, backend: Backend, first: TokenEvent,
-                 stream: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+async def _relay(gw: Gateway, name: str, backend: Backend, first: TokenEvent, stream: AsyncIterator[TokenEvent],
+                 deadline: float | None, timeout: float | None) -> AsyncIterator[TokenEvent]:
     """The stream after its first token, errors typed for the front doors; ends with one finished event."""
     finished = first.finished
     try:
         yield first
         while not finished:
             try:
-                event = await stream.__anext__()
+                async with asyncio.timeout_at(deadline):
+                    event = await stream.__anext__()
             except StopAsyncIteration:
                 break
+            except TimeoutError:
+                raise _timed_out(timeout) from None
             finished = event.finished
             yield event
     except BackendError as exc:
@@ -167,8 +199,11 @@ async def _relay(gw: Gateway, name: str, backend: Backend, first: TokenEvent,
         raise GatewayError(describe(exc), kind="upstream") from None
     finally:
         gw.release(backend)
+        closing = time.perf_counter()
         with contextlib.suppress(BaseException):
             await stream.aclose()  # closes the upstream request, or aborts the engine's
+        if not finished and getattr(backend, "engine", None) is None:  # the engine reports its own aborts
+            gw.metrics.abort_seconds.labels(name).observe(time.perf_counter() - closing)
     if not finished:
         raise GatewayError("Incomplete generation stream", kind="upstream")
 

@@ -11,17 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from backends.base import Backend
 from backends.registry import get_backend_class
+from gateway.admission import Admission, ModelGate
+from gateway.auth import KeyRing
 from gateway.config import ConfigError, GatewayConfig, parse_config, primary_routes
 from gateway.errors import GatewayError
 from gateway.health import HealthTracker
-from gateway.router import Router
+from gateway.router import ModelRoute, Router
 from gateway.shadow import ShadowRecorder
 from gateway.telemetry.metrics import GatewayMetrics, engine_state, gauge
 from gateway.telemetry.tracing import Tracing
@@ -51,7 +53,10 @@ class Gateway:
         self.metrics.add_state_source(self._backend_state)
         self.tracing = Tracing(server.traces, tracer_provider)
         self.shadows = ShadowRecorder(self.metrics)
-        self.in_flight = 0
+        self._in_flight = [0]  # shared with each Admission, which gives its place back
+        self.gates: dict[str, ModelGate] = {}
+        self.draining = False
+        self.keys = KeyRing(config)
         self.started: dict[int, bool] = {}  # by id(backend): start() has finished
         self.users: dict[int, int] = {}  # by id(backend): requests generating on it now
         self._tasks: list[asyncio.Task[None]] = []
@@ -92,6 +97,7 @@ class Gateway:
         engine = getattr(backend, "engine", None)
         if engine is not None and hasattr(engine, "step_listeners"):
             engine.step_listeners.append(self._engine_step_observer(name))
+            engine.abort_listeners.append(self.metrics.abort_seconds.labels(name).observe)
         healthy = False
         with contextlib.suppress(Exception):
             healthy = await backend.health()
@@ -141,7 +147,9 @@ class Gateway:
                     [([n], float(self.health.describe(n) == "ejected")) for n in names])
 
     def healthy(self) -> bool:
-        """Ready when every model has at least one started backend that is not ejected."""
+        """Ready when every model has at least one started backend that is not ejected, and not draining."""
+        if self.draining:
+            return False
         snapshot = self.snapshot
         for model in snapshot.config.models.values():
             names = [r.backend for r in primary_routes(model)] + list(model.fallback)
@@ -160,22 +168,60 @@ class Gateway:
 
     # requests
 
-    def enter(self) -> None:
-        """TGI's semaphore: over `max_concurrent_requests` a request fails at once with 429."""
-        if self.in_flight >= self.config.server.max_concurrent_requests:
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight[0]
+
+    async def enter(self, route: ModelRoute) -> Admission:
+        """Refused with 503 while draining; over the server's `max_concurrent_requests`, 429 at once (as
+        TGI); then the model's own limit, where a request may wait in a bounded queue."""
+        if self.draining:
+            raise GatewayError("the server is shutting down", kind="unavailable", code="shutting_down")
+        if self._in_flight[0] >= self.config.server.max_concurrent_requests:
             raise GatewayError("Model is overloaded", kind="overloaded")
-        self.in_flight += 1
+        self._in_flight[0] += 1
+        gate = self._gate(route)
+        admission = Admission(self._in_flight, None)
+        try:
+            if gate is not None:
+                await gate.acquire()
+                admission.gate = gate
+        except BaseException:
+            admission.release()
+            raise
+        return admission
 
-    def leave(self) -> None:
-        self.in_flight -= 1
+    def _gate(self, route: ModelRoute) -> ModelGate | None:
+        model = route.config
+        if model.max_concurrent_requests is None:
+            return None
+        settings = (model.max_concurrent_requests, model.max_queued_requests, model.max_queue_wait)
+        gate = self.gates.get(route.name)
+        if gate is None or not gate.same_settings(*settings):  # new after a reload; the old one drains
+            gate = self.gates[route.name] = ModelGate(*settings)
+        return gate
 
-    @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
-        self.enter()
+    @contextlib.asynccontextmanager
+    async def admit(self, route: ModelRoute) -> AsyncIterator[None]:
+        admission = await self.enter(route)
         try:
             yield
         finally:
-            self.leave()
+            admission.release()
+
+    # graceful shutdown
+
+    def begin_drain(self) -> None:
+        """From now on /health says 503 and new requests get 503; those in flight go on."""
+        self.draining = True
+        log.info("draining: %d request(s) in flight", self.in_flight)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when every request in flight finished within `timeout` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight == 0
 
     def acquire(self, backend: Backend) -> None:
         self.users[id(backend)] = self.users.get(id(backend), 0) + 1
@@ -212,6 +258,7 @@ class Gateway:
             await self._start_fresh(fresh)
             self.health.eject_after = max(1, new.server.eject_after_failures)
             self.health.cooldown = new.server.eject_cooldown
+            self.keys = KeyRing(new, self.keys)
             self.snapshot = Snapshot(new, backends, Router(new, backends, self.health))
             kept = {id(b) for b in backends.values()}
             for backend in old.backends.values():

@@ -13,6 +13,8 @@ from litestar.response import Stream
 
 from backends.base import GenerationRequest, TokenEvent
 from gateway import __version__
+from gateway.admission import Admission
+from gateway.auth import KeyRing, current_principal
 from gateway.errors import GatewayError
 from gateway.generation import (
     Collected,
@@ -118,11 +120,11 @@ class OpenAIController(Controller):
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            served = await _start_streams(gateway, route, requests)
-            events = self._chat_stream(gateway, served, data.model or route.name, response_id, created,
+            admission, served = await _start_streams(gateway, route, requests)
+            events = self._chat_stream(admission, served, data.model or route.name, response_id, created,
                                        want_logprobs, include_usage)
             return await _stream_response(events, served, route)
-        with gateway.admit():
+        async with gateway.admit(route):
             results = await unless_disconnected(
                 request.receive, gather_all([generate_whole(gateway, route, r) for r in requests]))
         choices = [ChatChoice(index=i, message=ResponseMessage(role="assistant", content=r.text),
@@ -139,7 +141,7 @@ class OpenAIController(Controller):
         return _usage(prompt, sum(r.usage.completion_tokens for r in results))
 
     @staticmethod
-    def _chat_stream(gw: Gateway, served: list[Served], model: str, response_id: str, created: int,
+    def _chat_stream(admission: Admission, served: list[Served], model: str, response_id: str, created: int,
                      want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
         chunk = _chunker(ChatCompletionChunk, response_id, created, model, include_usage)
 
@@ -150,7 +152,7 @@ class OpenAIController(Controller):
             return chunk([ChunkChoice(index=index, delta=Delta(content=e.text),
                                       logprobs=_chat_logprobs([e]) if want_logprobs else None, finish_reason=finish)])
 
-        return _sse(gw, served, render, (lambda u: chunk([], u)) if include_usage else None,
+        return _sse(admission, served, render, (lambda u: chunk([], u)) if include_usage else None,
                     choices_per_prompt=len(served))
 
     # completions
@@ -181,11 +183,11 @@ class OpenAIController(Controller):
         model = data.model or route.name
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            served = await _start_streams(gateway, route, requests)
-            events = self._completion_stream(gateway, served, echoes, model, response_id, created,
+            admission, served = await _start_streams(gateway, route, requests)
+            events = self._completion_stream(admission, served, echoes, model, response_id, created,
                                              data.logprobs, include_usage, n)
             return await _stream_response(events, served, route)
-        with gateway.admit():
+        async with gateway.admit(route):
             results = await unless_disconnected(
                 request.receive, gather_all([generate_whole(gateway, route, r) for r in requests]))
         choices = [CompletionChoice(index=i, text=echoes[i] + r.text,
@@ -209,7 +211,7 @@ class OpenAIController(Controller):
             tokens=[e.token_text for e in events], token_logprobs=[e.logprob for e in events],
             top_logprobs=[{t.text: t.logprob or 0.0 for t in e.top_logprobs} for e in events], text_offset=offsets)
 
-    def _completion_stream(self, gw: Gateway, served: list[Served], echoes: list[str], model: str,
+    def _completion_stream(self, admission: Admission, served: list[Served], echoes: list[str], model: str,
                            response_id: str, created: int, logprobs: int | None, include_usage: bool,
                            n: int) -> AsyncIterator[bytes]:
         offsets = [len(e) for e in echoes]
@@ -226,7 +228,7 @@ class OpenAIController(Controller):
 
         preamble = [chunk([CompletionChoice(index=i, text=echo, logprobs=None, finish_reason=None)])
                     for i, echo in enumerate(echoes) if echo]
-        return _sse(gw, served, render, (lambda u: chunk([], u)) if include_usage else None,
+        return _sse(admission, served, render, (lambda u: chunk([], u)) if include_usage else None,
                     choices_per_prompt=n, preamble=preamble)
 
 
@@ -245,20 +247,22 @@ def _chunker(kind: type[ChatCompletionChunk] | type[CompletionResponse], respons
 
 def _route(gw: Gateway, request: Request, model: str | None, user: str | None) -> ModelRoute:
     route = gw.router.require(model, header_key=request.headers.get(gw.config.server.sticky_header), user_key=user)
+    KeyRing.authorize(current_principal.get(), route.name)
     rec = current_record.get()
     if rec is not None:
         rec.model = route.name
     return route
 
 
-async def _start_streams(gw: Gateway, route: ModelRoute, requests: list[GenerationRequest]) -> list[Served]:
+async def _start_streams(gw: Gateway, route: ModelRoute,
+                         requests: list[GenerationRequest]) -> tuple[Admission, list[Served]]:
     """Admit and start every choice before answering: a failure before the first token is still an
     HTTP error, and `x-backend` can name who serves."""
-    gw.enter()
+    admission = await gw.enter(route)
     try:
-        return await start_all(gw, route, requests)
+        return admission, await start_all(gw, route, requests)
     except BaseException:
-        gw.leave()
+        admission.release()
         raise
 
 
@@ -268,7 +272,7 @@ async def _stream_response(events: AsyncIterator[bytes], served: list[Served], r
                   headers=SSE_HEADERS | route.served_headers(served[0].backend))
 
 
-async def _sse(gw: Gateway, served: list[Served], render: Callable[[int, TokenEvent], bytes | None],
+async def _sse(admission: Admission, served: list[Served], render: Callable[[int, TokenEvent], bytes | None],
                usage_chunk: Callable[[UsageOut], bytes] | None, *, choices_per_prompt: int,
                preamble: list[bytes] | None = None) -> AsyncIterator[bytes]:
     """The OpenAI event stream: rendered chunks, the usage chunk if asked, errors as events, then [DONE]."""
@@ -289,7 +293,7 @@ async def _sse(gw: Gateway, served: list[Served], render: Callable[[int, TokenEv
     except GatewayError as err:
         yield sse_event(err.openai_body())
     finally:
-        gw.leave()
+        admission.release()
         for s in served:
             await s.events.aclose()  # type: ignore[attr-defined]
     yield DONE

@@ -15,6 +15,8 @@ from litestar.response import Stream
 
 from backends.base import TokenEvent, TokenLogprob
 from gateway import __version__
+from gateway.admission import Admission
+from gateway.auth import KeyRing, current_principal
 from gateway.errors import GatewayError
 from gateway.generation import Collected, Served, generate_whole, start, unless_disconnected
 from gateway.protocol.tgi import (
@@ -102,7 +104,7 @@ def _timing_headers(started: float, validated: float, result: Collected, inputs:
     }
 
 
-async def _stream_events(gw: Gateway, served: Served, v: ValidTgiRequest) -> AsyncIterator[bytes]:
+async def _stream_events(admission: Admission, served: Served, v: ValidTgiRequest) -> AsyncIterator[bytes]:
     """The SSE body. Primed to its first `yield` by the handler, so its `finally` (leaving the
     admission count, closing the backend stream) runs however the response ends."""
     index = 0
@@ -129,7 +131,7 @@ async def _stream_events(gw: Gateway, served: Served, v: ValidTgiRequest) -> Asy
     except GatewayError as err:
         yield sse_event(err.tgi_body())
     finally:
-        gw.leave()
+        admission.release()
         await served.events.aclose()  # type: ignore[attr-defined]
 
 
@@ -148,6 +150,7 @@ def _note_validation(started: float, validated: float) -> None:
 
 def _route(gw: Gateway, request: Request, model: str | None) -> ModelRoute:
     route = gw.router.require(model, header_key=request.headers.get(gw.config.server.sticky_header))
+    KeyRing.authorize(current_principal.get(), route.name)
     rec = current_record.get()
     if rec is not None:
         rec.model = route.name
@@ -160,7 +163,7 @@ class TgiController(Controller):
     async def _generate_response(self, gw: Gateway, route: ModelRoute, data: GenerateRequest, compat: bool,
                                  request: Request) -> Response:
         started = time.perf_counter()
-        with gw.admit():
+        async with gw.admit(route):
             v = await validate_tgi(data, route, gw.config.server, stream=False, compat=compat,
                                    traceparent=request.headers.get("traceparent"))
             validated = time.perf_counter()
@@ -177,17 +180,17 @@ class TgiController(Controller):
             v = await validate_tgi(data, route, gw.config.server, stream=True, compat=compat,
                                    traceparent=request.headers.get("traceparent"))
             _note_validation(started, time.perf_counter())
-            gw.enter()
+            admission = await gw.enter(route)
         except GatewayError as err:  # TGI streams start before validation: errors arrive as events
             return Stream(_error_stream(err), media_type="text/event-stream", headers=headers, status_code=200)
         try:
             served = await start(gw, route, v.core)  # the first token decides who serves (x-backend)
         except BaseException as exc:
-            gw.leave()
+            admission.release()
             if not isinstance(exc, GatewayError):
                 raise
             return Stream(_error_stream(exc), media_type="text/event-stream", headers=headers, status_code=200)
-        body = _stream_events(gw, served, v)
+        body = _stream_events(admission, served, v)
         await body.__anext__()
         return Stream(with_keepalive(body), media_type="text/event-stream",
                       headers=headers | route.served_headers(served.backend), status_code=200)
@@ -245,8 +248,16 @@ class TgiController(Controller):
                     max_client_batch_size=server.max_client_batch_size, version=__version__,
                     router="llm-gateway", config_version=gateway.config.version)
 
-    @get(["/health", "/ping"], summary="200 when every backend is ready, else 503", operation_id="health")
+    @get("/health", summary="200 when every model is ready to serve, else 503 (readiness)", operation_id="health")
     async def health(self, gateway: Gateway) -> Response:
-        if gateway.healthy():
-            return Response(b"", status_code=200, media_type="text/plain")
-        raise GatewayError("unhealthy", kind="healthcheck")
+        return _readiness(gateway)
+
+    @get("/ping", summary="The same as /health (SageMaker's name)", operation_id="ping")
+    async def ping(self, gateway: Gateway) -> Response:
+        return _readiness(gateway)
+
+
+def _readiness(gateway: Gateway) -> Response:
+    if gateway.healthy():
+        return Response(b"", status_code=200, media_type="text/plain")
+    raise GatewayError("unhealthy", kind="healthcheck")

@@ -45,6 +45,11 @@ class GatewayMetrics:
                                  ["model", "from_backend", "to_backend"], registry=r)
         self.shadow = Counter("llmgw_shadow_comparisons", "Mirrored requests by outcome",
                               ["model", "primary", "candidate", "outcome"], registry=r)
+        self.abort_seconds = Histogram("llmgw_abort_seconds", "Cancelled request (client gone, timeout) to its "
+                                       "resources freed: engine KV blocks, or the upstream request closed",
+                                       ["backend"], buckets=LATENCY_BUCKETS, registry=r)
+        self.retries = Counter("llmgw_retries", "Retries of a backend before its first token", ["model", "backend"],
+                               registry=r)
         self.upstream_errors = Counter("llmgw_upstream_errors", "Backend errors by kind", ["backend", "kind"],
                                        registry=r)
         self.engine_batch = Histogram("llmgw_engine_batch_size", "Sequences per engine step", ["backend"],

@@ -1,0 +1,319 @@
+"""API keys, admission control, retries, timeouts and client limits, through a real gateway process
+in front of scripted upstreams."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from huggingface_hub import InferenceClient
+
+from tests.recordings import openai_text_routes
+from tests.server import running_gateway
+from tests.upstream import CUT, Reply, ScriptedUpstream, scripted_upstream, sse
+
+KEY_A = "a-secret-0123456789"  # from the environment
+KEY_OPS = "ops-secret-0123456789"  # in the file
+KEY_T = "tokens-secret-0123456789"  # 12 tokens per minute
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+OPS = auth(KEY_OPS)
+
+
+def flaky_routes(failures: int) -> tuple[dict, list[int]]:
+    """503 for the first `failures` requests, then a normal answer; counts requests."""
+    good = openai_text_routes("Recovered fine")
+    calls = [0]
+
+    def answer(path: str):  # noqa: ANN202
+        def reply(body: dict[str, Any]) -> Reply:
+            calls[0] += 1
+            if calls[0] <= failures:
+                return Reply([b'{"error": {"message": "warming up"}}'], 503, "application/json")
+            route = good[("POST", path)]
+            return route(body) if callable(route) else route
+        return reply
+
+    routes = {**good, ("POST", "/v1/chat/completions"): answer("/v1/chat/completions")}
+    return routes, calls
+
+
+def hang_after_first() -> dict:
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "Start"}, "finish_reason": None}]}
+    return {("GET", "/v1/models"): Reply([b"{}"], 200, "application/json"),
+            ("POST", "/v1/chat/completions"): Reply([sse(chunk), 30.0, sse(chunk)])}
+
+
+def garbage() -> dict:
+    return {("GET", "/v1/models"): Reply([b"{}"], 200, "application/json"),
+            ("POST", "/v1/chat/completions"): Reply([b"data: {not json at all\n\n", b"\x00\xff junk", CUT])}
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Any], Path]]:
+    flaky2, calls2 = flaky_routes(2)
+    flaky5, calls5 = flaky_routes(5)
+    with ExitStack() as stack:
+        up: dict[str, ScriptedUpstream] = {name: stack.enter_context(scripted_upstream(routes)) for name, routes in {
+            "good": openai_text_routes("Hello world!"), "slow": openai_text_routes("Slow answer", first_delay=1.5),
+            "flaky2": flaky2, "flaky5": flaky5, "hang": hang_after_first(), "garbage": garbage()}.items()}
+        backends = "".join(f'[backends.{n}]\ntype = "openai"\nbase_url = "{u.url}"\nmodel = "m"\n'
+                           f"first_token_timeout = 10\nidle_timeout = 60\n\n" for n, u in up.items())
+        config = f"""
+[server]
+max_body_bytes = 20000
+body_timeout = 1.0
+health_check_interval = 60
+eject_after_failures = 1000
+
+[auth]
+protect_metrics = true
+[[auth.keys]]
+name = "team-a"
+key_env = "LLMGW_TEST_KEY_A"
+models = ["open"]
+requests_per_minute = 3
+[[auth.keys]]
+name = "team-t"
+key = "{KEY_T}"
+tokens_per_minute = 12
+[[auth.keys]]
+name = "ops"
+key = "{KEY_OPS}"
+
+{backends}
+[models.open]
+backend = "good"
+[models.other]
+backend = "good"
+[models.one-at-a-time]
+backend = "slow"
+max_concurrent_requests = 1
+max_queued_requests = 1
+max_queue_wait = 0.5
+[models.patient]
+backend = "slow"
+max_concurrent_requests = 1
+max_queued_requests = 4
+max_queue_wait = 10
+[models.retried]
+backend = "flaky2"
+retries = 2
+retry_backoff = 0.05
+[models.retried-not-enough]
+backend = "flaky5"
+retries = 1
+retry_backoff = 0.05
+[models.deadline]
+backend = "hang"
+request_timeout = 1.0
+[models.garbage]
+backend = "garbage"
+[models.slow-with-deadline]
+backend = "slow"
+request_timeout = 0.5
+"""
+        tmp = tmp_path_factory.mktemp("guarded")
+        url = stack.enter_context(running_gateway(config, tmp, env={"LLMGW_TEST_KEY_A": KEY_A}))
+        yield url, {"calls2": calls2, "calls5": calls5, **up}, tmp / "server.log"
+
+
+def chat(url: str, model: str, key: str = KEY_OPS, stream: bool = False, **extra: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", headers=auth(key),
+                      json={"model": model, "stream": stream, **CHAT, **extra}, timeout=30)
+
+
+def openai_error(r: httpx.Response) -> dict[str, Any]:
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, r.text
+    return body["error"]
+
+
+def tgi_error(r: httpx.Response) -> dict[str, Any]:
+    body = r.json()
+    assert set(body) == {"error", "error_type"}, r.text
+    return body
+
+
+# API keys
+
+def test_missing_or_wrong_key_gets_401_in_each_protocols_shape(guarded: tuple) -> None:
+    url, _, _ = guarded
+    for headers in ({}, auth("wrong-key-000000"), {"authorization": KEY_OPS}):
+        r = httpx.post(f"{url}/v1/chat/completions", headers=headers, json={"model": "open", **CHAT})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert openai_error(r)["type"] == "authentication_error"
+        r = httpx.post(f"{url}/generate", headers=headers, json={"inputs": "Hi"})
+        assert r.status_code == 401 and tgi_error(r)["error_type"] == "unauthorized"
+    # checked before the body is even parsed: a bad body without a key is still a 401
+    r = httpx.post(f"{url}/v1/completions", content=b"{broken", headers={"content-type": "application/json"})
+    assert r.status_code == 401
+
+
+def test_real_clients_pass_their_key(guarded: tuple) -> None:
+    url, _, _ = guarded
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_OPS, max_retries=0)
+    assert client.chat.completions.create(model="other", **CHAT).choices[0].message.content == "Hello world!"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="nope-nope-nope", max_retries=0).chat.completions.create(
+            model="other", **CHAT)
+    tgi = InferenceClient(base_url=url, token=KEY_OPS)
+    assert tgi.text_generation("Hi", max_new_tokens=5) == "Hi" + "Hello world!"  # "/" returns the full text, as TGI
+
+
+def test_a_key_may_only_use_its_models(guarded: tuple) -> None:
+    url, _, _ = guarded
+    r = chat(url, "other", KEY_A)
+    assert r.status_code == 403
+    error = openai_error(r)
+    assert error["type"] == "permission_error" and error["code"] == "model_not_allowed" and error["param"] == "model"
+    r = httpx.post(f"{url}/models/other/generate", headers=auth(KEY_A), json={"inputs": "Hi"})
+    assert r.status_code == 403 and tgi_error(r)["error_type"] == "forbidden"
+
+
+def test_request_rate_limit_answers_429_with_retry_after(guarded: tuple) -> None:
+    url, _, _ = guarded
+    assert [chat(url, "open", KEY_A).status_code for _ in range(3)] == [200, 200, 200]  # 3 per minute
+    r = chat(url, "open", KEY_A)
+    assert r.status_code == 429 and openai_error(r)["code"] == "rate_limit_exceeded"
+    assert 1 <= int(r.headers["retry-after"]) <= 60
+    r = httpx.post(f"{url}/models/open/generate", headers=auth(KEY_A), json={"inputs": "Hi"})
+    assert r.status_code == 429 and tgi_error(r)["error_type"] == "rate_limited"
+    assert chat(url, "open", KEY_OPS).status_code == 200  # other keys are not affected
+
+
+def test_token_rate_limit_counts_prompt_and_generated_tokens(guarded: tuple) -> None:
+    url, _, _ = guarded
+    # each answer costs 4 prompt + 2 generated tokens (the scripted usage): 12 per minute is two
+    statuses = [chat(url, "open", KEY_T).status_code for _ in range(3)]
+    assert statuses == [200, 200, 429]
+    r = chat(url, "open", KEY_T)
+    assert "12 tokens per minute" in openai_error(r)["message"] and int(r.headers["retry-after"]) >= 1
+
+
+def test_health_is_open_metrics_are_protected_and_keys_never_leak(guarded: tuple) -> None:
+    url, _, log = guarded
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/live").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    metrics = httpx.get(f"{url}/metrics", headers=OPS)
+    assert metrics.status_code == 200 and "llmgw_requests_total" in metrics.text
+    bodies = [chat(url, "open", "wrong-" + KEY_A).text, chat(url, "other", KEY_A).text]
+    text = log.read_text() + metrics.text + "".join(bodies)
+    assert KEY_A not in text and KEY_OPS not in text
+
+
+# admission control
+
+def _parallel(calls: list[Any]) -> list[Any]:
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for i, thread in enumerate(threads):
+        thread.start()
+        time.sleep(0.15 if i == 0 else 0.05)  # in this order
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_over_the_model_limit_requests_wait_in_a_bounded_queue_then_get_429(guarded: tuple) -> None:
+    url, _, _ = guarded
+    first, queued, refused = _parallel([lambda: chat(url, "one-at-a-time") for _ in range(3)])
+    assert first.status_code == 200
+    assert refused.status_code == 429 and openai_error(refused)["type"] == "rate_limit_error"  # queue full: at once
+    assert queued.status_code == 429 and openai_error(queued)["code"] == "queue_timeout"  # waited 0.5 s of 1.5
+    tgi = _parallel([lambda: httpx.post(f"{url}/models/one-at-a-time/generate", headers=OPS,
+                                        json={"inputs": "Hi"}, timeout=30) for _ in range(3)])
+    assert [r.status_code for r in tgi] == [200, 429, 429]
+    assert tgi_error(tgi[2]) == {"error": "Model is overloaded", "error_type": "overloaded"}
+
+
+def test_queued_requests_are_served_in_turn(guarded: tuple) -> None:
+    url, _, _ = guarded
+    started = time.monotonic()
+    results = _parallel([lambda: chat(url, "patient") for _ in range(3)])
+    assert [r.status_code for r in results] == [200, 200, 200]
+    assert time.monotonic() - started >= 3 * 1.5 - 0.2  # one at a time
+
+
+# retries and timeouts
+
+def test_retries_before_the_first_token_with_backoff(guarded: tuple) -> None:
+    url, state, _ = guarded
+    r = chat(url, "retried")
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Recovered fine"
+    assert state["calls2"][0] == 3  # two 503s, then the answer
+    r = chat(url, "retried-not-enough")
+    assert r.status_code == 503 and state["calls5"][0] == 2  # bounded: one retry, then the error
+    metrics = httpx.get(f"{url}/metrics", headers=OPS).text
+    assert 'llmgw_retries_total{backend="flaky2",model="retried"} 2.0' in metrics
+
+
+def test_no_retry_after_the_first_token_and_the_request_deadline_applies(guarded: tuple) -> None:
+    url, state, _ = guarded
+    started = time.monotonic()
+    raw = chat(url, "deadline", stream=True).text
+    payloads = [p[6:] for p in raw.split("\n\n") if p.startswith("data: ")]
+    assert json.loads(payloads[0])["choices"][0]["delta"]["content"] == "Start"
+    error = json.loads(payloads[-2])["error"]
+    assert payloads[-1] == "[DONE]" and error["type"] == "timeout_error" and "request_timeout" in error["message"]
+    assert time.monotonic() - started < 5
+    assert len(state["hang"].sent("/v1/chat/completions")) == 1
+    r = chat(url, "slow-with-deadline")  # before the first token: 504
+    assert r.status_code == 504 and "0.5 s limit" in openai_error(r)["message"]
+    r = httpx.post(f"{url}/models/slow-with-deadline/generate", headers=OPS, json={"inputs": "Hi"}, timeout=30)
+    assert r.status_code == 504 and tgi_error(r)["error_type"] == "timeout"
+
+
+def test_garbage_from_upstream_is_a_clean_error_and_the_gateway_stays_up(guarded: tuple) -> None:
+    url, _, _ = guarded
+    r = chat(url, "garbage")
+    assert 500 < r.status_code < 600 and r.status_code != 500, r.text
+    openai_error(r)
+    raw = chat(url, "garbage", stream=True)
+    assert raw.status_code in (200, 502) and "Traceback" not in raw.text
+    assert chat(url, "other").status_code == 200
+
+
+# client limits
+
+def test_oversized_body_gets_413_in_the_protocols_shape(guarded: tuple) -> None:
+    url, _, _ = guarded
+    big = "x" * 30_000
+    r = httpx.post(f"{url}/v1/chat/completions", headers=OPS,
+                   json={"model": "open", "messages": [{"role": "user", "content": big}]})
+    assert r.status_code == 413 and openai_error(r)["type"] == "invalid_request_error"
+    r = httpx.post(f"{url}/generate", headers=OPS, json={"inputs": big})
+    assert r.status_code == 413 and tgi_error(r)["error_type"] == "payload_too_large"
+
+
+def test_a_client_that_sends_its_body_too_slowly_is_cut_off_with_408(guarded: tuple) -> None:
+    url, _, _ = guarded
+    host, port = url.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(f"POST /generate HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY_OPS}\r\n"
+                     "content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"inp".encode())
+        answer = conn.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408")
+    assert json.loads(answer.split("\r\n\r\n", 1)[1])["error_type"] == "request_timeout"
+    assert time.monotonic() - started < 5
