@@ -1,0 +1,131 @@
+{{- define "llm-gateway.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}{{ .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else -}}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
+
+{{- define "llm-gateway.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/part-of: llm-gateway
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end -}}
+
+{{- define "llm-gateway.selector" -}}
+app.kubernetes.io/name: llm-gateway
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Selector of one backend deployment: (dict "root" $ "name" "vllm") */}}
+{{- define "llm-gateway.backendSelector" -}}
+app.kubernetes.io/name: {{ .name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- end -}}
+
+{{- define "llm-gateway.secretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-keys" (include "llm-gateway.fullname" .)) -}}
+{{- end -}}
+
+{{/* An environment variable name for an API key: LLMGW_KEY_TEAM_A */}}
+{{- define "llm-gateway.keyEnv" -}}
+{{- printf "LLMGW_KEY_%s" (regexReplaceAll "[^A-Z0-9]" (upper .) "_") -}}
+{{- end -}}
+
+{{/* A TOML value from a YAML value: strings and scalars as JSON (valid TOML), lists as arrays,
+     maps as inline tables. */}}
+{{- define "llm-gateway.toml" -}}
+{{- if kindIs "map" . -}}
+{ {{- $first := true -}}{{- range $k, $v := . -}}{{- if not $first }}, {{ end -}}{{ $first = false -}}{{ $k }} = {{ include "llm-gateway.toml" $v }}{{- end -}} }
+{{- else if kindIs "slice" . -}}
+[{{- range $i, $v := . -}}{{- if $i }}, {{ end -}}{{ include "llm-gateway.toml" $v }}{{- end -}}]
+{{- else if kindIs "float64" . -}}
+{{- if eq (float64 (int64 .)) . }}{{ int64 . }}{{ else }}{{ . }}{{ end -}}
+{{- else -}}
+{{- toJson . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* `key = value` lines of a TOML table from a map */}}
+{{- define "llm-gateway.tomlTable" -}}
+{{- range $k, $v := . }}
+{{ $k }} = {{ include "llm-gateway.toml" $v }}
+{{- end -}}
+{{- end -}}
+
+{{/* The rendered config.toml */}}
+{{- define "llm-gateway.configToml" -}}
+{{- if .Values.configToml -}}
+{{ .Values.configToml }}
+{{- else -}}
+{{- $c := .Values.config -}}
+{{- $full := include "llm-gateway.fullname" . -}}
+# rendered by the llm-gateway Helm chart {{ .Chart.Version }}
+{{- with $c.defaultModel }}
+default_model = {{ . | toJson }}
+{{- end }}
+
+[server]
+host = "0.0.0.0"
+port = {{ .Values.port }}
+watch_config = {{ eq .Values.reloadStrategy "watch" }}
+drain_timeout = {{ .Values.drainSeconds }}
+{{- if .Values.auth.adminKey }}
+admin_key_env = "LLMGW_ADMIN_KEY"
+{{- end }}
+{{- include "llm-gateway.tomlTable" (omit $c.server "host" "port" "watch_config" "drain_timeout") }}
+
+[auth]
+protect_metrics = {{ .Values.auth.protectMetrics }}
+protect_health = {{ .Values.auth.protectHealth }}
+{{- range .Values.auth.keys }}
+
+[[auth.keys]]
+name = {{ .name | toJson }}
+key_env = {{ include "llm-gateway.keyEnv" .name | toJson }}
+{{- include "llm-gateway.tomlTable" (omit . "name" "value" "existingSecret" "existingSecretKey") }}
+{{- end }}
+{{- if $c.engine.enabled }}
+
+[backends.local]
+type = "engine"
+{{- include "llm-gateway.tomlTable" (omit $c.engine "enabled" "servedModelName") }}
+{{- end }}
+{{- with .Values.backends.vllm }}{{ if .enabled }}
+
+[backends.vllm]
+type = "openai"
+base_url = "http://{{ $full }}-vllm:{{ .port }}"
+model = {{ .servedModelName | toJson }}
+flavor = {{ .flavor | toJson }}
+{{- end }}{{ end }}
+{{- with .Values.backends.tgi }}{{ if .enabled }}
+
+[backends.tgi]
+type = "tgi"
+base_url = "http://{{ $full }}-tgi:{{ .port }}"
+{{- end }}{{ end }}
+{{- with .Values.backends.triton }}{{ if .enabled }}
+
+[backends.triton]
+type = "triton"
+base_url = "http://{{ $full }}-triton:{{ .port }}"
+model = {{ .modelName | toJson }}
+dialect = {{ .dialect | toJson }}
+{{- end }}{{ end }}
+{{- range $name, $table := $c.extraBackends }}
+
+[backends.{{ $name }}]
+{{- include "llm-gateway.tomlTable" $table }}
+{{- end }}
+{{- range $name, $model := $c.models }}
+
+[models.{{ $name }}]
+{{- include "llm-gateway.tomlTable" $model }}
+{{- end }}
+{{- if and (not $c.models) $c.engine.enabled }}
+
+[models.{{ $c.engine.servedModelName }}]
+backend = "local"
+{{- end }}
+{{- end }}
+{{- end -}}
