@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -18,6 +19,8 @@ from typing import Any
 from engine_core.engine import LLMEngine
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
+
+SWITCH_INTERVAL = 0.0002  # seconds
 
 
 class EngineDeadError(RuntimeError):
@@ -33,6 +36,9 @@ class AsyncEngine:
         self._stopping = False
         self.step_listeners: list[Callable[[LLMEngine], None]] = []  # called after each step, in the thread
         self.abort_listeners: list[Callable[[float], None]] = []  # seconds from abort() to blocks freed
+        # Each torch op of a step releases the GIL and must take it back; with the default 5 ms switch
+        # interval an event loop busy streaming tokens makes the step thread wait up to 5 ms a time.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -122,6 +128,21 @@ class AsyncEngine:
             except RuntimeError:  # its event loop is closed: nobody is listening
                 self.engine.abort(request_id)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs in one hand-off per event loop: one wake-up, not one per sequence (at batch
+        128 the per-output wake-ups kept the event loop thread busy and fighting the step for the GIL)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its event loop is closed: nobody is listening
+                for _, out in items:
+                    self.engine.abort(out.request_id)
+
     def _loop(self) -> None:
         while not self._stopping:
             while True:
@@ -140,13 +161,17 @@ class AsyncEngine:
                     self.engine.abort(request_id)
                     self._deliver(request_id, exc)
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_step(outputs)
             for listener in self.step_listeners:
                 listener(self.engine)
         for request_id in list(self.engine.seqs):
             self.engine.abort(request_id)
             self._deliver(request_id, EngineDeadError("the engine shut down"))
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for outputs, item in items:
+        outputs.put_nowait(item)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

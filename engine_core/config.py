@@ -22,6 +22,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = False
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # "auto": the compiled CPU paged-decode kernel for bf16/fp16 when it builds, else the torch reference;
+    # "torch": always the reference (fp32 always uses it: it is what the exactness tests check)
+    attention_backend: str = "auto"
 
     def torch_dtype(self) -> torch.dtype:
         try:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from engine_core.attention import TorchReferenceAttention
+from engine_core.attention.cpu_paged import CpuPagedAttention, paged_decode_kernel
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
 from engine_core.detokenizer import IncrementalDetokenizer
@@ -34,6 +36,16 @@ class StepStats:
     seconds: float
 
 
+def select_attention(config: EngineConfig) -> TorchReferenceAttention:
+    if config.attention_backend not in ("auto", "torch"):
+        raise ValueError(f"unknown attention_backend {config.attention_backend!r}; use 'auto' or 'torch'")
+    if config.attention_backend == "auto" and config.torch_dtype() != torch.float32:
+        kernel = paged_decode_kernel()
+        if kernel is not None:
+            return CpuPagedAttention(kernel)
+    return TorchReferenceAttention()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
@@ -46,7 +58,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_args.max_position_embeddings,
                                  self.model_args.max_position_embeddings)
         self.model = LlamaModel(self.model_args, load_state_dict(self.model_dir), config.torch_dtype(),
-                                self.max_model_len)
+                                self.max_model_len, select_attention(config))
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.model.kv_block_bytes(config.block_size))
         self.model.allocate_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

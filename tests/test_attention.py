@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.attention import AttentionMetadata, TorchReferenceAttention
+from engine_core.attention.cpu_paged import CpuPagedAttention, paged_decode_kernel
 from engine_core.attention.torch_ref import _grouped_decode
 
 
@@ -20,8 +21,15 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v.double())
 
 
+def backends() -> list[TorchReferenceAttention]:
+    kernel = paged_decode_kernel()
+    return [TorchReferenceAttention()] + ([CpuPagedAttention(kernel)] if kernel is not None else [])
+
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_prefill_and_decode_batch_matches_dense_attention(dtype: torch.dtype) -> None:
+def test_mixed_prefill_and_decode_batch_matches_dense_attention(dtype: torch.dtype,
+                                                                backend: TorchReferenceAttention) -> None:
     torch.manual_seed(0)
     heads, kv_heads, dim, block = 6, 2, 16, 4
     total = [7, 1, 12, 5]  # tokens each sequence has in all
@@ -49,7 +57,7 @@ def test_mixed_prefill_and_decode_batch_matches_dense_attention(dtype: torch.dty
         seq_lens=torch.tensor(total, dtype=torch.int32),
         block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         max_seqlen_q=7, max_seqlen_k=12, query_lens=new, seq_lens_host=total)
-    out = TorchReferenceAttention().forward(q_in, k_in, v_in, cache_k, cache_v, meta, dim ** -0.5)
+    out = backend.forward(q_in, k_in, v_in, cache_k, cache_v, meta, dim ** -0.5)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     start = 0
     for (q, k, v), n, m in zip(qkv, total, new):
@@ -65,3 +73,38 @@ def test_grouped_decode_equals_sdpa_with_gqa_and_mask() -> None:
     want = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=0.125,
                                           enable_gqa=True).squeeze(2)
     assert torch.allclose(_grouped_decode(q, k, v, mask, 0.125), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 take the vectorised path, 16 the generic one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_paged_decode_kernel_reads_only_its_own_blocks(dtype: torch.dtype, head_dim: int) -> None:
+    """Random block tables, ragged lengths, GQA, and a cache poisoned with NaN everywhere no sequence
+    owns: any read outside a sequence's blocks and length shows up as NaN."""
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("no C++ compiler here: the engine uses the torch reference")
+    torch.manual_seed(head_dim)
+    heads, kv_heads, block, num_blocks = 8, 2, 4, 64
+    lens = [1, 5, 4, 17, 9, 30]
+    cache_k = torch.full((num_blocks, block, kv_heads, head_dim), float("nan"), dtype=dtype)
+    cache_v = torch.full_like(cache_k, float("nan"))
+    order = torch.randperm(num_blocks).tolist()
+    tables, keys, values = [], [], []
+    for n in lens:
+        blocks = [order.pop() for _ in range(-(-n // block))]
+        k, v = torch.randn(n, kv_heads, head_dim, dtype=dtype), torch.randn(n, kv_heads, head_dim, dtype=dtype)
+        for pos in range(n):
+            cache_k[blocks[pos // block], pos % block] = k[pos]
+            cache_v[blocks[pos // block], pos % block] = v[pos]
+        tables.append(blocks)
+        keys.append(k)
+        values.append(v)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [order[0]] * (width - len(t)) for t in tables])  # padding points at a poisoned block
+    q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
+    out = kernel(q, cache_k, cache_v, table, torch.tensor(lens), head_dim ** -0.5)
+    assert not out.isnan().any()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, n in enumerate(lens):
+        want = dense_reference(q[i:i + 1].float(), keys[i].float(), values[i].float(), head_dim ** -0.5)[0]
+        assert torch.allclose(out[i].double(), want, atol=tolerance), (i, n)

@@ -1,11 +1,14 @@
 """Paged attention in plain PyTorch: the reference backend for CPU and for kernel tests.
 
-Decoding sequences (one query each) are batched into one masked attention call over their
-gathered blocks; sequences with several queries (prefill chunks) are handled one by one with a
-causal mask offset by the tokens already in the cache.
+Decoding sequences (one query each) are batched into one attention call over their gathered
+blocks; sequences with several queries (prefill chunks) are handled one by one with a causal mask
+offset by the tokens already in the cache. Everything that depends only on the step's layout (which
+rows decode, the padded block table, the mask) is worked out once per step in `plan`, not per layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,66 +16,102 @@ import torch.nn.functional as F
 from engine_core.attention.metadata import AttentionMetadata
 
 
+@dataclass(slots=True)
+class DecodePlan:
+    rows: torch.Tensor | None  # query rows of the decoding sequences; None: every row decodes, in order
+    blocks: torch.Tensor  # [B, num_blocks] int64 block ids, padded with block 0
+    mask: torch.Tensor  # [B, L] True where a key position is within the sequence
+    seq_lens: torch.Tensor  # [B] keys of each decoding sequence
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    start: int  # first query row
+    num_queries: int
+    seq_len: int
+    blocks: torch.Tensor | None  # int64 ids of the blocks holding cached keys; None: nothing cached before
+    mask: torch.Tensor | None  # [n, seq_len] causal mask offset by the cached tokens
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    meta: AttentionMetadata
+    decode: DecodePlan | None
+    prefills: list[PrefillPlan]
+
+
 class TorchReferenceAttention:
     name = "torch"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]."""
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
-        block_size = k_cache.shape[1]
+    @staticmethod
+    def plan(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+        decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        decode = None
+        if decode_rows:
+            all_decode = len(decode_rows) == meta.num_seqs
+            index = None if all_decode else torch.tensor(decode_rows)
+            num_blocks = -(-max(meta.seq_lens_host[i] for i in decode_rows) // block_size)
+            table = meta.block_table[:, :num_blocks] if all_decode else meta.block_table[index, :num_blocks]
+            seq_lens = meta.seq_lens if all_decode else meta.seq_lens[index]
+            mask = torch.arange(num_blocks * block_size).unsqueeze(0) < seq_lens.unsqueeze(1)
+            rows = None if all_decode else meta.cu_seqlens_q[index].long()
+            decode = DecodePlan(rows, table.long(), mask, seq_lens.long(), num_blocks)
+        prefills = []
+        if len(decode_rows) < meta.num_seqs:
+            starts = meta.cu_seqlens_q.tolist()
+            for i, n in enumerate(meta.query_lens):
+                if n == 1:
+                    continue
+                seq_len = meta.seq_lens_host[i]
+                if seq_len == n:
+                    prefills.append(PrefillPlan(starts[i], n, seq_len, None, None))
+                    continue
+                blocks = meta.block_table[i, :-(-seq_len // block_size)].long()
+                q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)
+                prefills.append(PrefillPlan(starts[i], n, seq_len, blocks, torch.arange(seq_len).unsqueeze(0) <= q_pos))
+        return AttentionPlan(meta, decode, prefills)
 
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
-        if decode:
-            self._decode(q, k_cache, v_cache, meta, decode, block_size, scale, out)
-        starts = meta.cu_seqlens_q.tolist() if len(decode) < meta.num_seqs else []
-        for i, n in enumerate(meta.query_lens):
-            if n == 1:
-                continue
-            start, seq_len = starts[i], meta.seq_lens_host[i]
-            qs = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
-            if seq_len == n:  # nothing cached before this chunk: attend to the new keys directly
-                ks, vs = k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, plan: AttentionPlan | AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]."""
+        if isinstance(plan, AttentionMetadata):
+            plan = self.plan(plan, k_cache.shape[1])
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        slots = plan.meta.slot_mapping
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if plan.decode is not None:
+            self._decode(q, k_cache, v_cache, plan.decode, scale, out)
+        for p in plan.prefills:
+            qs = q[p.start:p.start + p.num_queries].transpose(0, 1)  # [Hq, n, D]
+            if p.blocks is None:  # nothing cached before this chunk: attend to the new keys directly
+                ks = k[p.start:p.start + p.num_queries].transpose(0, 1)
+                vs = v[p.start:p.start + p.num_queries].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                num_blocks = -(-seq_len // block_size)
-                blocks = meta.block_table[i, :num_blocks].long()
-                ks = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-                vs = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-                q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)
-                mask = torch.arange(seq_len).unsqueeze(0) <= q_pos  # [n, seq_len]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[start:start + n] = o.transpose(0, 1)
+                ks = k_cache[p.blocks].flatten(0, 1)[:p.seq_len].transpose(0, 1)
+                vs = v_cache[p.blocks].flatten(0, 1)[:p.seq_len].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True)
+            out[p.start:p.start + p.num_queries] = o.transpose(0, 1)
         return out
 
-    @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                rows: list[int], block_size: int, scale: float, out: torch.Tensor) -> None:
-        all_decode = len(rows) == meta.num_seqs
-        idx = None if all_decode else torch.tensor(rows)
-        max_len = max(meta.seq_lens_host[i] for i in rows)
-        num_blocks = -(-max_len // block_size)
-        table = meta.block_table[:, :num_blocks] if all_decode else meta.block_table[idx, :num_blocks]
-        seq_lens = meta.seq_lens if all_decode else meta.seq_lens[idx]
-        token_rows = meta.cu_seqlens_q[:-1] if all_decode else meta.cu_seqlens_q[idx]
-        table = table.long()
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
+                scale: float, out: torch.Tensor) -> None:
         # [B, L, Hkv, D] -> [B, Hkv, L, D]
-        ks = k_cache[table].flatten(1, 2).transpose(1, 2)
-        vs = v_cache[table].flatten(1, 2).transpose(1, 2)
-        mask = torch.arange(ks.shape[2]).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
-        qs = q if all_decode else q[token_rows.long()]  # [B, Hq, D]
+        ks = k_cache[plan.blocks].flatten(1, 2).transpose(1, 2)
+        vs = v_cache[plan.blocks].flatten(1, 2).transpose(1, 2)
+        qs = q if plan.rows is None else q[plan.rows]  # [B, Hq, D]
         if qs.dtype == torch.float32:
-            o = F.scaled_dot_product_attention(qs.unsqueeze(2), ks, vs, attn_mask=mask[:, None, None, :],
+            o = F.scaled_dot_product_attention(qs.unsqueeze(2), ks, vs, attn_mask=plan.mask[:, None, None, :],
                                                scale=scale, enable_gqa=True).squeeze(2)
         else:  # CPU SDPA in bf16/fp16 with a mask and GQA is ~6x slower than this (measured at batch 32)
-            o = _grouped_decode(qs, ks, vs, mask, scale)
-        if all_decode:
+            o = _grouped_decode(qs, ks, vs, plan.mask, scale)
+        if plan.rows is None:
             out.copy_(o)
         else:
-            out[token_rows.long()] = o
+            out[plan.rows] = o
 
 
 def _grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -81,7 +120,7 @@ def _grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     and softmax in fp32."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
     scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)

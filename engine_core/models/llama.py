@@ -10,14 +10,13 @@ import torch.nn.functional as F
 
 from engine_core.attention import AttentionMetadata, TorchReferenceAttention
 from engine_core.loader import ModelArgs, ModelLoadError
+from engine_core.models.linear import Linear
 from engine_core.models.rope import RotaryEmbedding
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # in fp32 like HF's LlamaRMSNorm, then back to the working dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # one fused op; it accumulates in fp32 for bf16 input, as HF's LlamaRMSNorm does
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LlamaLayer:
@@ -29,19 +28,18 @@ class LlamaLayer:
                 raise ModelLoadError(f"weight {prefix + name} missing from the checkpoint") from None
 
         attn = "self_attn."
-        self.qkv_weight = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"]).contiguous()
-        self.qkv_bias = (torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
-                         if args.attention_bias else None)
-        self.o_weight = take(attn + "o_proj.weight")
-        self.gate_up_weight = torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous()
-        self.down_weight = take("mlp.down_proj.weight")
+        self.qkv = Linear(torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"]).contiguous(),
+                          torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]) if args.attention_bias else None)
+        self.o = Linear(take(attn + "o_proj.weight"))
+        self.gate_up = Linear(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous())
+        self.down = Linear(take("mlp.down_proj.weight"))
         self.input_norm = take("input_layernorm.weight")
         self.post_attention_norm = take("post_attention_layernorm.weight")
 
 
 class LlamaModel:
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 max_positions: int) -> None:
+                 max_positions: int, attention: TorchReferenceAttention | None = None) -> None:
         self.args = args
         self.dtype = dtype
         self.q_size = args.num_heads * args.head_dim
@@ -54,10 +52,10 @@ class LlamaModel:
         except KeyError as exc:
             raise ModelLoadError(f"weight {exc} missing from the checkpoint") from None
         lm_head = state.pop("lm_head.weight", None)
-        self.lm_head = self.embed if (args.tie_word_embeddings or lm_head is None) else lm_head.to(dtype)
+        self.lm_head = Linear(self.embed if (args.tie_word_embeddings or lm_head is None) else lm_head.to(dtype))
         self.layers = [LlamaLayer(state, f"model.layers.{i}.", args, dtype) for i in range(args.num_layers)]
         self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, dtype)
-        self.attention = TorchReferenceAttention()
+        self.attention = attention or TorchReferenceAttention()
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
 
@@ -73,22 +71,23 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         args = self.args
+        heads = args.num_heads + args.num_kv_heads
         h = F.embedding(input_ids, self.embed)
+        rotation = self.rope.rotation(positions)  # per step, not per layer
+        plan = self.attention.plan(meta, block_size=self.k_caches[0].shape[1])
         for layer, k_cache, v_cache in zip(self.layers, self.k_caches, self.v_caches):
             x = rms_norm(h, layer.input_norm, args.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(-1, args.num_heads, args.head_dim)
-            k = k.view(-1, args.num_kv_heads, args.head_dim)
-            v = v.view(-1, args.num_kv_heads, args.head_dim)
-            q, k = self.rope.apply(q, k, positions)
-            o = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(o.reshape(-1, self.q_size), layer.o_weight)
+            qkv = layer.qkv(x)
+            qk = self.rope.apply(qkv[:, :self.q_size + self.kv_size].view(-1, heads, args.head_dim), rotation)
+            q, k = qk.split([args.num_heads, args.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size:].view(-1, args.num_kv_heads, args.head_dim)
+            o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale)
+            h = h + layer.o(o.reshape(-1, self.q_size))
             x = rms_norm(h, layer.post_attention_norm, args.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down_weight)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         return rms_norm(h, self.norm, args.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -40,13 +40,16 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype)  # [max_positions, head_dim]
         self.sin = emb.sin().to(dtype)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        half = head_dim // 2
+        self.signed_sin = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)  # folds rotate-half's sign
 
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of one step's positions, [T, 1, D] each: gathered once for every layer."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, H, D] (queries and keys together). x·cos + rotate_half(x)·sin, where rotate_half(x) is
+        (-x2, x1): rolling by half gives (x2, x1), and the sign lives in signed_sin."""
+        cos, signed_sin = rotation
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
