@@ -32,6 +32,7 @@ dtype = "{dtype}"
 kv_cache_mb = 2048
 max_num_seqs = {max_num_seqs}
 max_num_batched_tokens = {max_batched}
+{threads}
 
 [models.smollm2]
 backend = "local"
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-threads", type=int, default=None, help="the engine's torch threads")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
     parser.add_argument("--skip", choices=("engine", "vllm"), default=None)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench-results")
@@ -95,8 +97,9 @@ def main() -> None:
     engine_json, vllm_json = args.out_dir / "engine.json", args.out_dir / "vllm.json"
     if args.skip != "engine":
         config = args.out_dir / "engine.toml"
+        threads = f"num_threads = {args.num_threads}" if args.num_threads else ""
         config.write_text(GATEWAY_CONFIG.format(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                                                max_batched=args.max_num_batched_tokens))
+                                                max_batched=args.max_num_batched_tokens, threads=threads))
         serve("engine", [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", "8411",
                          "--log-level", "warning"], {}, "http://127.0.0.1:8411", engine_json, args)
     if args.skip != "vllm":

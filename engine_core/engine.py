@@ -46,11 +46,15 @@ def select_attention(config: EngineConfig) -> TorchReferenceAttention:
     return TorchReferenceAttention()
 
 
+SMALL_STEP_TOKENS = 8  # steps with fewer tokens than this run on one thread
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.threads = torch.get_num_threads()
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.model_args = load_model_args(self.model_dir)
@@ -127,6 +131,13 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self.runner.forget(seq.request_id)
 
+    def _set_threads(self, tokens: int) -> None:
+        """One torch thread for tiny steps: splitting a batch-1 matmul costs more in hand-offs than it
+        gains, and a second spinning thread competes with the server's own thread on a small machine."""
+        wanted = 1 if tokens < SMALL_STEP_TOKENS else self.threads
+        if wanted != torch.get_num_threads():
+            torch.set_num_threads(wanted)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -137,6 +148,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        self._set_threads(batch.total_tokens)
         sampled, result = self.runner.run(batch)
         outputs = self.postprocess(batch, sampled, result)
         self.last_step = StepStats(len(batch.seqs), batch.total_tokens, time.perf_counter() - started)
