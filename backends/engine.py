@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -36,12 +36,14 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     max_model_len: int | None = None
     enable_prefix_caching: bool = False
     num_threads: int | None = None
+    attention_backend: Literal["auto", "torch"] = "auto"  # auto: the compiled CPU kernel for bf16 when it builds
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_mb * 1024**2, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                            enable_prefix_caching=self.enable_prefix_caching, num_threads=self.num_threads)
+                            enable_prefix_caching=self.enable_prefix_caching, num_threads=self.num_threads,
+                            attention_backend=self.attention_backend)
 
 
 class EngineBackend:

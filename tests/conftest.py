@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import pytest
 import torch
 
 from engine_core.loader import resolve_model_dir
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

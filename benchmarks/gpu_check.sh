@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One prepared GPU check, for the `device` machine (under 8 minutes): the Triton kernel tests on the
+# GPU, the paged-decode kernel's GB/s against a device-to-device copy, and the engine's end-to-end
+# throughput where the engine can run on CUDA. Prints short tables; record them in BENCHMARKS.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+if ! $PY -c "import torch, triton" 2>/dev/null; then
+    $PY -m pip install -q torch==2.13.0 triton pytest numpy
+fi
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+echo "== kernel tests on the GPU"
+timeout 180 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+echo "== paged-decode kernel, bf16"
+timeout 180 $PY benchmarks/gpu_kernels.py
+echo "== end-to-end engine throughput"
+# The engine's model, KV cache and sampler are CPU-only so far: the kernels above are the GPU path
+# that exists. When the engine takes a device, run benchmarks/engine_throughput.py here.
+echo "not measured: the engine does not run on CUDA yet"
