@@ -12,6 +12,7 @@ import collections
 import json
 import os
 import re
+import time
 
 import httpx
 import psutil
@@ -107,7 +108,10 @@ async def soak(url: str, process: psutil.Process) -> tuple[collections.Counter[s
 def test_soak_loses_nothing_leaks_nothing_and_stays_healthy(gateway_url: str) -> None:
     process = psutil.Process(PROCESSES[gateway_url].pid)
     before = httpx.get(f"{gateway_url}/metrics").text
+    started = time.monotonic()
     outcomes, memory = asyncio.run(soak(gateway_url, process))
+    print(f"\nsoak: {REQUESTS} requests in {time.monotonic() - started:.0f} s; outcomes {dict(outcomes)}; "
+          f"server RSS MB at each eighth: {[round(m) for m in memory]}")
     lost = {k: v for k, v in outcomes.items() if k.startswith("LOST")}
     assert not lost, lost
     assert sum(outcomes.values()) == REQUESTS
