@@ -306,6 +306,11 @@ def test_oversized_body_gets_413_in_the_protocols_shape(guarded: tuple) -> None:
     assert r.status_code == 413 and tgi_error(r)["error_type"] == "payload_too_large"
 
 
+def body_length(answer: bytes) -> int:
+    head = answer.split(b"\r\n\r\n", 1)[0].decode().lower()
+    return next((int(line.split(":", 1)[1]) for line in head.split("\r\n") if line.startswith("content-length:")), 0)
+
+
 def test_a_client_that_sends_its_body_too_slowly_is_cut_off_with_408(guarded: tuple) -> None:
     url, _, _ = guarded
     host, port = url.removeprefix("http://").split(":")

@@ -34,6 +34,48 @@ inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 
+// e^x for 16 floats: 2^n · P(r) with n = round(x·log2 e), r = x − n·ln 2 (Cephes' expf polynomial);
+// relative error ~1e-7, and no call into libm per element.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1u);
+}
+
+// In place: s[0:len] = softmax(s[0:len]), 16 at a time.
+inline void softmax16(float* s, int64_t len) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < len; t += 16)
+    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(len - t), s + t));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 k = tail_mask(len - t);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+    _mm512_mask_storeu_ps(s + t, k, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 k = tail_mask(len - t);
+    _mm512_mask_storeu_ps(s + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), inv));
+  }
+}
+
 // The same computation with AVX-512 registers: HD/16 vectors per row, group query rows.
 template <typename scalar_t, int HD>
 void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_table,
@@ -67,14 +109,7 @@ void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = scores.data() + g * len;
-        const float top = *std::max_element(sc, sc + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) sum += (sc[t] = expf(sc[t] - top));
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax16(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const scalar_t* base = v_cache + table[t0 / block_size] * block_size * token_stride + h * HD;
