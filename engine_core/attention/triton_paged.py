@@ -47,6 +47,20 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _attend_block(q, k, v, visible, scale, m_i, l_i, acc):
+    """One block of keys and values into a running (max, sum, weighted values): the online softmax.
+    Rows that have seen no visible key yet keep max -inf, sum 0 and acc 0."""
+    s = tl.where(visible, tl.dot(q, tl.trans(k)).to(tl.float32) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr, scale,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -78,16 +92,8 @@ def _paged_attention(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, 
             kv_ok = (k_pos < seq_len)[:, None] & d_ok[None, :]
             k = tl.load(k_cache_ptr + offsets, mask=kv_ok, other=0.0)
             v = tl.load(v_cache_ptr + offsets, mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_SIZE]
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, k, v, visible, scale, m_i, l_i, acc)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -138,15 +144,7 @@ def _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, acc_ptr, ml_ptr, block_table_
         kv_ok = (k_pos < seq_len)[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=kv_ok, other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=kv_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GROUP_P2, BLOCK_SIZE]
-        s = tl.where((k_pos < seq_len)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k, v, (k_pos < seq_len)[None, :], scale, m_i, l_i, acc)
     # partials: acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]
     heads = kv_head * GROUP + g
     base = (seq * num_kv_heads * GROUP + heads) * num_splits + split
