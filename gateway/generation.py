@@ -106,7 +106,8 @@ async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> S
                 await stream.aclose()
             if not error.retriable:
                 raise GatewayError.from_backend(error) from None
-            gw.health.record_failure(name)
+            if gw.started.get(id(backend)):  # a backend still loading is not failing: no ejection for it
+                gw.health.record_failure(name)
             last = error
             log.warning("backend %s failed before the first token (attempt %d): %s", name, attempt + 1, error)
         if tier + 1 < len(route.tiers):

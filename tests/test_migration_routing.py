@@ -130,3 +130,35 @@ def test_reload_keeps_unchanged_backends_replaces_changed_ones_and_refuses_bad_f
         await gw.aclose()
 
     asyncio.run(scenario())
+
+
+def test_requests_to_a_backend_still_starting_do_not_eject_it() -> None:
+    """Traffic that arrives while a model loads fails, but must not keep the backend out for the
+    cool-down once it is up; failures of a started backend still eject it."""
+    import asyncio
+
+    from backends.base import GenerationRequest
+    from gateway.config import parse_config
+    from gateway.errors import GatewayError
+    from gateway.generation import start
+    from gateway.state import Gateway
+
+    config = parse_config('[server]\neject_after_failures = 2\n[backends.up]\ntype = "openai"\n'
+                          'base_url = "http://127.0.0.1:9"\nmodel = "m"\n[models.m]\nbackend = "up"\n')
+    gateway = Gateway(config)
+    route = gateway.router.require("m")
+
+    async def fail(times: int) -> None:
+        for i in range(times):
+            with pytest.raises(GatewayError):
+                await start(gateway, route, GenerationRequest(request_id=str(i), model="m", prompt="Hi"))
+
+    async def scenario() -> None:
+        await fail(4)  # refused while "loading"
+        assert gateway.health.describe("up") == "healthy"
+        gateway.started[id(gateway.backends["up"])] = True
+        await fail(2)
+        assert gateway.health.describe("up") == "ejected"
+        await gateway.aclose()
+
+    asyncio.run(scenario())
