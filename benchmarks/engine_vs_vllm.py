@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -64,17 +66,25 @@ def bench(url: str, pid: int, output: Path, args: argparse.Namespace) -> None:
                    check=True, cwd=ROOT)
 
 
+@contextmanager
+def running_server(name: str, command: list[str], url: str, log_path: Path,
+                   env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """A server process, ready (its /health answers 200) for the body of the block, stopped after."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                cwd=ROOT)
+        try:
+            print(f"{name}: ready in {wait_ready(url, proc):.0f} s", flush=True)
+            yield proc
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
 def serve(name: str, command: list[str], env: dict[str, str], url: str, output: Path,
           args: argparse.Namespace) -> None:
-    log = open(args.out_dir / f"{name}.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=ROOT)
-    try:
-        print(f"{name}: ready in {wait_ready(url, proc):.0f} s", flush=True)
+    with running_server(name, command, url, args.out_dir / f"{name}.log", env) as proc:
         bench(url, proc.pid, output, args)
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
 
 
 def main() -> None:

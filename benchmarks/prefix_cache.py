@@ -18,7 +18,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.engine_vs_vllm import wait_ready  # noqa: E402
+from benchmarks.engine_vs_vllm import running_server  # noqa: E402
 from engine_core.loader import resolve_model_dir  # noqa: E402
 
 CONFIG = """
@@ -52,11 +52,9 @@ def main() -> None:
         config = args.out_dir / f"caching-{caching}.toml"
         config.write_text(CONFIG.format(caching=caching))
         url = "http://127.0.0.1:8413"
-        log = open(args.out_dir / f"caching-{caching}.log", "w")  # noqa: SIM115
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", "8413",
-                                 "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            wait_ready(url, proc)
+        command = [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", "8413",
+                   "--log-level", "warning"]
+        with running_server(f"caching {caching}", command, url, args.out_dir / f"caching-{caching}.log"):
             output = args.out_dir / f"caching-{caching}.json"
             subprocess.run([sys.executable, "-m", "gateway", "bench", "--url", url, "--api", "openai-completions",
                             "--tokenizer", str(resolve_model_dir("embedded")), "--prefix-len", str(args.prefix_len),
@@ -71,11 +69,6 @@ def main() -> None:
             print(f"prefix caching {caching:5}: TTFT p50 {summary['ttft_s']['p50'] * 1000:.0f} ms, "
                   f"p90 {summary['ttft_s']['p90'] * 1000:.0f} ms, total tok/s {summary['total_token_throughput']:.0f}, "
                   f"hit rate {hits / queries if queries else 0:.1%} ({hits:.0f}/{queries:.0f} blocks)", flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(60)
-            log.close()
-
 
 if __name__ == "__main__":
     main()

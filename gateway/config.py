@@ -43,6 +43,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     traces: Literal["none", "console", "otlp"] = "none"  # OpenTelemetry exporter; otlp needs its package
     log_format: Literal["json", "console"] = "json"  # access log lines
     log_text: bool = False  # put prompt and output text in the access log (off: never logged)
+
+    def resolved_admin_key(self) -> str | None:
+        """The admin key: from the environment variable named in admin_key_env, else admin_key."""
+        return (os.environ.get(self.admin_key_env) if self.admin_key_env else None) or self.admin_key
     max_body_bytes: int = 2_000_000  # TGI's default --payload-limit; over it: 413
     body_timeout: float = 30.0  # seconds a client may take to send its request body; over it: 408
     send_timeout: float = 60.0  # seconds one response write may wait on a client that does not read

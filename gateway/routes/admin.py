@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import os
 from typing import Any
 
 from litestar import Controller, Request, get, post
@@ -15,7 +14,7 @@ from gateway.state import Gateway
 
 def require_admin(gw: Gateway, request: Request) -> None:
     server = gw.config.server
-    key = (os.environ.get(server.admin_key_env) if server.admin_key_env else None) or server.admin_key
+    key = server.resolved_admin_key()
     if not key:
         raise GatewayError("admin routes are off: set server.admin_key or server.admin_key_env", kind="unauthorized",
                            status=403)
