@@ -22,6 +22,7 @@ from backends.base import (
     describe,
 )
 from gateway.auth import Principal, current_principal
+from gateway.closing import close_detached
 from gateway.errors import GatewayError
 from gateway.router import ModelRoute
 from gateway.shadow import tap
@@ -84,8 +85,7 @@ async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> S
             except BaseException as exc:  # cancelled (the client left), out of time, or a backend bug
                 gw.release(backend)
                 gw.tracing.end_backend_call(span, sent_ns, None, None, "cancelled")
-                with contextlib.suppress(BaseException):
-                    await stream.aclose()
+                await close_detached(stream)
                 if isinstance(exc, TimeoutError):
                     raise _timed_out(timeout) from None
                 raise
@@ -102,8 +102,7 @@ async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> S
             gw.release(backend)
             gw.metrics.upstream_errors.labels(name, error.kind).inc()
             gw.tracing.end_backend_call(span, sent_ns, None, None, error.kind)
-            with contextlib.suppress(BaseException):
-                await stream.aclose()
+            await close_detached(stream)
             if not error.retriable:
                 raise GatewayError.from_backend(error) from None
             if gw.started.get(id(backend)):  # a backend still loading is not failing: no ejection for it
@@ -169,6 +168,7 @@ async def _observe(gw: Gateway, rec: RequestRecord | None, principal: Principal 
             rec.error = exc.message
         raise
     finally:
+        await close_detached(events)  # an `async for` left early does not close what it iterates
         gw.tracing.end_backend_call(span, sent_ns, first, first_ns, error)
         if principal is not None:
             principal.charge_tokens(usage.total_tokens if usage else count)
@@ -182,8 +182,11 @@ async def _relay(gw: Gateway, name: str, backend: Backend, first: TokenEvent, st
         yield first
         while not finished:
             try:
-                async with asyncio.timeout_at(deadline):
+                if deadline is None:  # the common case: no timer per token
                     event = await stream.__anext__()
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        event = await stream.__anext__()
             except StopAsyncIteration:
                 break
             except TimeoutError:
@@ -201,8 +204,7 @@ async def _relay(gw: Gateway, name: str, backend: Backend, first: TokenEvent, st
     finally:
         gw.release(backend)
         closing = time.perf_counter()
-        with contextlib.suppress(BaseException):
-            await stream.aclose()  # closes the upstream request, or aborts the engine's
+        await close_detached(stream)  # closes the upstream request, or aborts the engine's
         if not finished and getattr(backend, "engine", None) is None:  # the engine reports its own aborts
             gw.metrics.abort_seconds.labels(name).observe(time.perf_counter() - closing)
     if not finished:
@@ -270,7 +272,7 @@ async def start_all(gw: Gateway, route: ModelRoute, requests: list[GenerationReq
             served.append(await start(gw, route, request))
     except BaseException:
         for s in served:
-            await s.events.aclose()  # type: ignore[attr-defined]
+            await close_detached(s.events)
         raise
     return served
 

@@ -6,7 +6,8 @@ big or too slow. Errors come in the protocol's own shape (OpenAI's under /v1/, T
 - Body: read whole before the app sees it, within `server.body_timeout` seconds (else 408) and
   `server.max_body_bytes` (else 413), so a slow sender cannot hold a request open.
 - Each response write must complete within `server.send_timeout` seconds: a client that stops
-  reading is cut off, and the request's resources are freed as for any disconnect.
+  reading is then treated as gone (the app sees a disconnect), so the request's resources are freed
+  as for any disconnect and uvicorn closes the unfinished response.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -78,8 +78,7 @@ class AuthMiddleware:
             current_principal.reset(token)
 
     def _is_admin(self, header: str | None) -> bool:
-        server = self.gateway.config.server
-        admin = (os.environ.get(server.admin_key_env) if server.admin_key_env else None) or server.admin_key
+        admin = self.gateway.config.server.resolved_admin_key()
         presented = bearer(header)
         return bool(admin and presented and hmac.compare_digest(presented.encode(), admin.encode()))
 
@@ -113,19 +112,34 @@ class ClientLimitsMiddleware:
             return await _reply(scope, send, GatewayError(
                 f"the request body did not arrive within {server.body_timeout:g} s", kind="request_timeout"))
         pending = [{"type": "http.request", "body": bytes(body), "more_body": False}]
+        stalled = asyncio.Event()  # set when a write to the client timed out
 
         async def replay() -> dict[str, Any]:
-            return pending.pop() if pending else await receive()
+            if pending:
+                return pending.pop()
+            if stalled.is_set():
+                return {"type": "http.disconnect"}
+            # whichever comes first: the client's own message, or our verdict that it stopped reading
+            waits = [asyncio.ensure_future(receive()), asyncio.ensure_future(stalled.wait())]
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in waits:
+                task.cancel()
+            return waits[0].result() if waits[0] in done else {"type": "http.disconnect"}
 
         async def send_in_time(message: dict[str, Any]) -> None:
-            async with asyncio.timeout(server.send_timeout):
-                await send(message)
+            if stalled.is_set():
+                return  # the connection is being given up; nothing more is sent
+            try:
+                async with asyncio.timeout(server.send_timeout):
+                    await send(message)
+            except TimeoutError:
+                # Treated as a disconnect: the app's disconnect listener cancels the response, which closes
+                # the body generator (releasing its admission, aborting the engine or upstream request).
+                log.warning("%s %s: client stopped reading for %g s; dropping it", scope["method"], scope["path"],
+                            server.send_timeout)
+                stalled.set()
 
-        try:
-            await self.app(scope, replay, send_in_time)
-        except TimeoutError:  # the client stopped reading; the stream's own cleanup has run
-            log.warning("%s %s: client stopped reading for %g s; connection dropped", scope["method"],
-                        scope["path"], server.send_timeout)
+        await self.app(scope, replay, send_in_time)
 
 
 def _too_large(limit: int) -> GatewayError:

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from backends.base import Backend, GenerationRequest, TokenEvent, describe
+from gateway.closing import close_detached
 
 
 @dataclass
@@ -171,6 +172,7 @@ async def tap(events: AsyncIterator[TokenEvent], pair: ShadowPair, started: floa
         side.error = describe(exc)
         raise
     finally:
+        await close_detached(events)
         side.latency = time.perf_counter() - started
         if finished or side.error is not None:
             pair.done(primary=side)

@@ -9,6 +9,8 @@ from typing import Any
 
 import msgspec
 
+from gateway.closing import close_detached
+
 KEEPALIVE = b":\n\n"  # a comment line, as axum's KeepAlive sends
 DONE = b"data: [DONE]\n\n"
 
@@ -35,6 +37,8 @@ async def with_keepalive(events: AsyncIterator[bytes], interval: float = 15.0) -
             await queue.put((None, None))
         except Exception as exc:
             await queue.put((None, exc))
+        finally:  # cancelled (the client left): `events` must still run its cleanup
+            await close_detached(events)
 
     producer = asyncio.create_task(produce())
     try:

@@ -4,6 +4,7 @@ in front of scripted upstreams."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -64,6 +65,14 @@ def garbage() -> dict:
             ("POST", "/v1/chat/completions"): Reply([b"data: {not json at all\n\n", b"\x00\xff junk", CUT])}
 
 
+def firehose() -> dict:
+    """A stream far larger than any socket buffer: 3,000 events of 8 KB, as fast as it can be read."""
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "x" * 8192}, "finish_reason": None}]}
+    return {("GET", "/v1/models"): Reply([b"{}"], 200, "application/json"),
+            ("POST", "/v1/chat/completions"): Reply([sse(chunk)] * 3000)}
+
+
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Any], Path]]:
     flaky2, calls2 = flaky_routes(2)
@@ -71,13 +80,15 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dic
     with ExitStack() as stack:
         up: dict[str, ScriptedUpstream] = {name: stack.enter_context(scripted_upstream(routes)) for name, routes in {
             "good": openai_text_routes("Hello world!"), "slow": openai_text_routes("Slow answer", first_delay=1.5),
-            "flaky2": flaky2, "flaky5": flaky5, "hang": hang_after_first(), "garbage": garbage()}.items()}
+            "flaky2": flaky2, "flaky5": flaky5, "hang": hang_after_first(), "garbage": garbage(),
+            "firehose": firehose()}.items()}
         backends = "".join(f'[backends.{n}]\ntype = "openai"\nbase_url = "{u.url}"\nmodel = "m"\n'
                            f"first_token_timeout = 10\nidle_timeout = 60\n\n" for n, u in up.items())
         config = f"""
 [server]
 max_body_bytes = 20000
 body_timeout = 1.0
+send_timeout = 1.0
 health_check_interval = 60
 eject_after_failures = 1000
 
@@ -122,6 +133,8 @@ retry_backoff = 0.05
 [models.deadline]
 backend = "hang"
 request_timeout = 1.0
+[models.firehose]
+backend = "firehose"
 [models.garbage]
 backend = "garbage"
 [models.slow-with-deadline]
@@ -322,3 +335,33 @@ def test_a_client_that_sends_its_body_too_slowly_is_cut_off_with_408(guarded: tu
     assert answer.startswith("HTTP/1.1 408")
     assert json.loads(answer.split("\r\n\r\n", 1)[1])["error_type"] == "request_timeout"
     assert time.monotonic() - started < 5
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_request_freed(guarded: tuple) -> None:
+    url, upstreams, log = guarded
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "firehose", "stream": True, **CHAT}).encode()
+    with socket.socket() as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.connect((host, int(port)))
+        conn.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY_OPS}\r\n"
+                     f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.5)
+        assert in_flight(url) == 1  # streaming into a client that reads nothing
+        deadline = time.monotonic() + 10
+        while in_flight(url) and time.monotonic() < deadline:  # send_timeout is 1 s
+            time.sleep(0.2)
+        assert in_flight(url) == 0  # freed while the client still holds its socket open
+    # the stream's cleanup ran (it gives back the admission, then closes the upstream request, which the
+    # upstream notices at its next write)
+    deadline = time.monotonic() + 5
+    while not upstreams["firehose"].broken_writes and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert upstreams["firehose"].broken_writes >= 1
+    assert "client stopped reading" in log.read_text() and "Exception in ASGI application" not in log.read_text()
+
+
+def in_flight(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers=OPS).text
+    found = re.search(r'^llmgw_requests_in_flight{route="/v1/chat/completions"} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0

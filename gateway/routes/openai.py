@@ -15,6 +15,7 @@ from backends.base import GenerationRequest, TokenEvent
 from gateway import __version__
 from gateway.admission import Admission
 from gateway.auth import KeyRing, current_principal
+from gateway.closing import close_detached
 from gateway.errors import GatewayError
 from gateway.generation import (
     Collected,
@@ -295,5 +296,5 @@ async def _sse(admission: Admission, served: list[Served], render: Callable[[int
     finally:
         admission.release()
         for s in served:
-            await s.events.aclose()  # type: ignore[attr-defined]
+            await close_detached(s.events)
     yield DONE

@@ -17,6 +17,7 @@ from backends.base import TokenEvent, TokenLogprob
 from gateway import __version__
 from gateway.admission import Admission
 from gateway.auth import KeyRing, current_principal
+from gateway.closing import close_detached
 from gateway.errors import GatewayError
 from gateway.generation import Collected, Served, generate_whole, start, unless_disconnected
 from gateway.protocol.tgi import (
@@ -132,7 +133,7 @@ async def _stream_events(admission: Admission, served: Served, v: ValidTgiReques
         yield sse_event(err.tgi_body())
     finally:
         admission.release()
-        await served.events.aclose()  # type: ignore[attr-defined]
+        await close_detached(served.events)
 
 
 def _error_stream(err: GatewayError) -> AsyncIterator[bytes]:
