@@ -192,3 +192,34 @@ def test_poisson_arrivals_end_at_n_over_rate_and_repeat_by_seed() -> None:
     bursty_gaps = [b - a for a, b in zip([0.0, *bursty], bursty)]
     bursty_mean = sum(bursty_gaps) / len(bursty_gaps)
     assert (sum((g - bursty_mean) ** 2 for g in bursty_gaps) / len(bursty_gaps)) ** 0.5 / bursty_mean > 1.5
+
+
+def test_sharegpt_and_prompt_files_become_samples(smollm_dir: Path, tmp_path: Path) -> None:
+    from llmgw_bench.workload import prompt_file_samples, sharegpt_samples
+
+    counter = local_counter(str(smollm_dir))
+    long_answer = "word " * 3000  # over vLLM's 2048-token total: filtered out
+    conversations = [
+        {"conversations": [{"from": "human", "value": "Tell me about the sea and its tides."},
+                           {"from": "gpt", "value": "The sea rises and falls twice a day, pulled by the moon."}]},
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there, friend."}]},
+        {"conversations": [{"from": "human", "value": "Write a very long essay please."},
+                           {"from": "gpt", "value": long_answer}]},
+        {"conversations": [{"from": "human", "value": "Only a question, no answer"}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    samples = sharegpt_samples(path, counter, 10, seed=0)
+    assert [s.prompt for s in samples] == ["Tell me about the sea and its tides."]  # "Hi" is under 4 tokens
+    assert samples[0].output_len == counter(conversations[0]["conversations"][1]["value"])
+    assert sharegpt_samples(path, counter, 10, output_len=7)[0].output_len == 7
+
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("first prompt here\n\nsecond one\n")
+    assert [(s.prompt, s.output_len) for s in prompt_file_samples(lines, counter, 12)] == [
+        ("first prompt here", 12), ("second one", 12)]
+    records = tmp_path / "prompts.jsonl"
+    records.write_text('{"prompt": "a question", "output_len": 5}\n{"prompt": "another"}\n')
+    got = prompt_file_samples(records, counter, 12)
+    assert [(s.prompt, s.output_len, s.input_len) for s in got] == [
+        ("a question", 5, counter("a question")), ("another", 12, counter("another"))]
