@@ -75,17 +75,19 @@ def test_grouped_decode_equals_sdpa_with_gqa_and_mask() -> None:
     assert torch.allclose(_grouped_decode(q, k, v, mask, 0.125), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 take the vectorised path, 16 the generic one
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 take the vectorised paths, 16 the generic one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_paged_decode_kernel_reads_only_its_own_blocks(dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize("group", [3, 4, 5])  # bf16 has kernels for groups 1-4 and 8; 5 takes the fallback
+def test_cpu_paged_decode_kernel_reads_only_its_own_blocks(dtype: torch.dtype, head_dim: int, group: int) -> None:
     """Random block tables, ragged lengths, GQA, and a cache poisoned with NaN everywhere no sequence
     owns: any read outside a sequence's blocks and length shows up as NaN."""
     kernel = paged_decode_kernel()
     if kernel is None:
         pytest.skip("no C++ compiler here: the engine uses the torch reference")
     torch.manual_seed(head_dim)
-    heads, kv_heads, block, num_blocks = 8, 2, 4, 64
-    lens = [1, 5, 4, 17, 9, 30]
+    kv_heads, block, num_blocks = 2, 4, 64
+    heads = group * kv_heads
+    lens = [1, 5, 4, 17, 9, 30, 16, 33]  # tails of 16-key tiles of every kind
     cache_k = torch.full((num_blocks, block, kv_heads, head_dim), float("nan"), dtype=dtype)
     cache_v = torch.full_like(cache_k, float("nan"))
     order = torch.randperm(num_blocks).tolist()

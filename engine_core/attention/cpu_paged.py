@@ -5,7 +5,8 @@ transposes (another copy) for its matmuls: at batch 128 that was about 60% of a 
 in BENCHMARKS.md). `csrc/paged_decode.cpp` walks each sequence's block table instead, one
 (sequence, KV head) pair per task, scores and softmax in fp32. It is compiled once per machine by
 torch's extension builder (cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) for
-this CPU (-march=native, or $LLMGW_KERNEL_MARCH); with no C++ compiler the engine keeps the reference
+this CPU (-march=native, or $LLMGW_KERNEL_MARCH) with OpenMP, so that torch's threads share the
+work; with no C++ compiler the engine keeps the reference
 path. Prefill chunks use the reference path.
 """
 
@@ -42,8 +43,10 @@ def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
             except ImportError:
                 from torch.utils.cpp_extension import load
 
-                module = load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", f"-march={march}", "-ffast-math"],
-                              verbose=False)
+                # -fopenmp: at::parallel_for is a header template, so without it the kernel runs on one thread
+                module = load(name=name, sources=[str(SOURCE)],
+                              extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], verbose=False)
             _kernel = module.paged_decode
         except Exception as exc:  # no compiler, no headers: the reference path still works
             log.warning("CPU paged-decode kernel unavailable, using the torch reference: %s", exc)

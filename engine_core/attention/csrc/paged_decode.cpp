@@ -132,6 +132,140 @@ void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
     }
   });
 }
+
+#if defined(__AVX512BF16__)
+// r[j] = sum of the 16 lanes of v[j], for 16 vectors at once: a transpose-and-add tree (45 shuffles and
+// adds) instead of 16 horizontal reductions (~8 dependent ops each).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0 0+2, v1 0+2, v0 1+3, v1 1+3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum for four vectors
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+template <int HINT>
+inline void prefetch_span(const at::BFloat16* p, int64_t elements) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t byte = 0; byte < elements * 2; byte += 64) _mm_prefetch(c + byte, static_cast<_mm_hint>(HINT));
+}
+
+// bf16 with AVX512-BF16, G query heads per KV head and head size HD, both fixed at compile time so that
+// the per-head accumulators live in registers. q·k takes bf16 pairs straight from the cache (vdpbf16ps,
+// exact products summed in fp32) for 16 keys at a time; p·v widens each bf16 vector into its even and
+// odd elements (one shift or mask each) and accumulates them apart, interleaving once at the end.
+//
+// Memory, not arithmetic, sets the pace once the cache outgrows the CPU's caches: its blocks lie
+// anywhere, so the hardware prefetcher cannot follow, and the kernel prefetches rows itself. A task
+// takes whole sequences when there are enough of them: a token's KV heads are one contiguous row, so
+// each block streams in once; few sequences are split by KV head to keep every thread busy.
+template <int G, int HD>
+void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                 const int64_t* block_table, const int64_t* seq_lens, at::BFloat16* out, int64_t batch,
+                 int64_t num_kv_heads, int64_t block_size, int64_t table_width, float scale) {
+  constexpr int C = HD / 32;  // 512-bit vectors of bf16 per row
+  const int64_t num_heads = G * num_kv_heads;
+  const int64_t token_stride = num_kv_heads * HD;
+  const int64_t heads_per_task = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+  at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> offsets;  // where each token's row starts
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t b = work / tasks_per_seq, first_head = (work % tasks_per_seq) * heads_per_task;
+      const int64_t len = seq_lens[b];
+      const int64_t* table = block_table + b * table_width;
+      offsets.resize(len);
+      for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk)
+        for (int64_t i = 0, n = std::min(block_size, len - t0); i < n; ++i)
+          offsets[t0 + i] = (table[blk] * block_size + i) * token_stride + first_head * HD;
+      const int64_t padded = (len + 15) / 16 * 16;
+      scores.resize(G * padded);
+      const __m512 vscale = _mm512_set1_ps(scale);
+      for (int64_t h = first_head; h < first_head + heads_per_task; ++h) {
+        const int64_t head_offset = (h - first_head) * HD;
+        const bool fetch = h == first_head;  // its prefetches cover every head of the task
+        __m512bh qv[G][C];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c)
+            qv[g][c] = as_bh(_mm512_loadu_si512(q + (b * num_heads + h * G + g) * HD + c * 32));
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+          if (fetch) {  // the next tile's keys; this tile's values, for p·v after the softmax
+            for (int64_t t = t0 + 16; t < std::min(t0 + 32, len); ++t)
+              prefetch_span<_MM_HINT_T0>(k_cache + offsets[t], heads_per_task * HD);
+            for (int64_t t = t0; t < std::min(t0 + 16, len); ++t)
+              prefetch_span<_MM_HINT_T1>(v_cache + offsets[t], heads_per_task * HD);
+          }
+          const at::BFloat16* rows[16];  // the tail of the last tile repeats a row
+          for (int j = 0; j < 16; ++j) rows[j] = k_cache + offsets[std::min(t0 + j, len - 1)] + head_offset;
+          for (int g = 0; g < G; ++g) {
+            __m512 dots[16];
+            for (int j = 0; j < 16; ++j) {
+              __m512 acc = _mm512_setzero_ps();
+              for (int c = 0; c < C; ++c)
+                acc = _mm512_dpbf16_ps(acc, qv[g][c], as_bh(_mm512_loadu_si512(rows[j] + c * 32)));
+              dots[j] = acc;
+            }
+            _mm512_storeu_ps(&scores[g * padded + t0], _mm512_mul_ps(sum_lanes16(dots), vscale));
+          }
+        }
+        for (int g = 0; g < G; ++g) softmax16(scores.data() + g * padded, len);
+        __m512 even[G][C], odd[G][C];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) even[g][c] = odd[g][c] = _mm512_setzero_ps();
+        const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+        for (int64_t t = 0; t < len; ++t) {
+          const at::BFloat16* vrow = v_cache + offsets[t] + head_offset;
+          for (int c = 0; c < C; ++c) {
+            const __m512i x = _mm512_loadu_si512(vrow + c * 32);
+            const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));  // elements 0, 2, 4, ...
+            const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(x, high));  // elements 1, 3, 5, ...
+            for (int g = 0; g < G; ++g) {
+              const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+              even[g][c] = _mm512_fmadd_ps(p, e, even[g][c]);
+              odd[g][c] = _mm512_fmadd_ps(p, o, odd[g][c]);
+            }
+          }
+        }
+        for (int g = 0; g < G; ++g) {
+          at::BFloat16* orow = out + (b * num_heads + h * G + g) * HD;
+          alignas(64) float e[16], o[16];
+          for (int c = 0; c < C; ++c) {
+            _mm512_store_ps(e, even[g][c]);
+            _mm512_store_ps(o, odd[g][c]);
+            for (int i = 0; i < 16; ++i) {
+              orow[c * 32 + 2 * i] = static_cast<at::BFloat16>(e[i]);
+              orow[c * 32 + 2 * i + 1] = static_cast<at::BFloat16>(o[i]);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// The bf16 kernel for this (group, head size), or nullptr when none is compiled for it.
+using Bf16Kernel = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*,
+                            const int64_t*, at::BFloat16*, int64_t, int64_t, int64_t, int64_t, float);
+template <int HD>
+Bf16Kernel bf16_kernel_for_group(int64_t group) {
+  switch (group) {
+    case 1: return decode_bf16<1, HD>;
+    case 2: return decode_bf16<2, HD>;
+    case 3: return decode_bf16<3, HD>;
+    case 4: return decode_bf16<4, HD>;
+    case 8: return decode_bf16<8, HD>;
+    default: return nullptr;
+  }
+}
+#endif
 #endif
 
 // HD: the head size when known at compile time (64, 128: fixed trip counts vectorize), else 0.
@@ -220,6 +354,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
              block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0),
              q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1), static_cast<float>(scale));
     };
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      const int64_t group = q.size(1) / k_cache.size(2);
+      Bf16Kernel kernel = q.size(2) == 64 ? bf16_kernel_for_group<64>(group)
+                          : q.size(2) == 128 ? bf16_kernel_for_group<128>(group) : nullptr;
+      if (kernel != nullptr)
+        return kernel(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                      block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(),
+                      q.size(0), k_cache.size(2), k_cache.size(1), block_table.size(1), static_cast<float>(scale));
+    }
+#endif
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, float>) {
       auto fast = [&](auto kernel) {
