@@ -34,8 +34,8 @@ ENV LLMGW_MODEL_CACHE=/opt/models
 RUN python -c "from engine_core.loader import resolve_model_dir; print(resolve_model_dir('embedded'))"
 # the kernel for any AVX2 x86-64 CPU (an image runs on machines other than the one that built it)
 ENV LLMGW_KERNEL_MARCH=x86-64-v3 TORCH_EXTENSIONS_DIR=/opt/torch_extensions
-RUN python -c "from engine_core.attention.cpu_paged import paged_decode_kernel as k; assert k() is not None" \
- && python -c "import glob, shutil, site; shutil.copy(glob.glob('/opt/torch_extensions/llmgw_paged_decode_*/*.so')[0], site.getsitepackages()[0])"
+RUN python -c "from engine_core.cpu_kernels import cpu_kernels as k; assert k() is not None" \
+ && python -c "import glob, shutil, site; shutil.copy(glob.glob('/opt/torch_extensions/llmgw_cpu_kernels_*/*.so')[0], site.getsitepackages()[0])"
 
 # ---- runtime: the venv and the converted model, a non-root user, a read-only-friendly layout
 FROM python:${PYTHON_VERSION}-slim AS runtime

@@ -92,11 +92,14 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [len(seqs), vocab] float32, one row per sequence that samples this step."""
+        """logits: [len(seqs), vocab] in the model's dtype, one row per sequence that samples this step."""
+        if all(_plain_greedy(s) for s in seqs):
+            # the common case needs neither an fp32 copy of the logits nor anything but the argmax
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs), [[] for _ in seqs])
+        logits = logits.to(torch.float32, copy=True)  # penalties and masks write into it
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
 
-        logits = logits.clone()
         apply_min_tokens(logits, seqs, self.eos_token_ids)
         apply_penalties(logits, seqs)
 
@@ -126,9 +129,15 @@ class Sampler:
         return SampleResult(token_list, chosen, tops)
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.frequency_penalty
+            and not p.presence_penalty and seq.num_output_tokens >= p.min_tokens)
+
+
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int]) -> list[TokenLogprob]:
     """Logprob of each next prompt token given the rows of logits before it."""
-    logp = logits.log_softmax(dim=-1)
+    logp = logits.float().log_softmax(dim=-1)
     ids = torch.tensor(next_token_ids, dtype=torch.long)
     values = logp[torch.arange(len(next_token_ids)), ids].tolist()
     return [TokenLogprob(t, v) for t, v in zip(next_token_ids, values)]

@@ -9,14 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.attention import AttentionMetadata, TorchReferenceAttention
+from engine_core.cpu_kernels import cpu_kernels
 from engine_core.loader import ModelArgs, ModelLoadError
+from engine_core.models.layer_ops import FusedLayerOps, TorchLayerOps
 from engine_core.models.linear import Linear
 from engine_core.models.rope import RotaryEmbedding
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # one fused op; it accumulates in fp32 for bf16 input, as HF's LlamaRMSNorm does
-    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LlamaLayer:
@@ -39,7 +36,8 @@ class LlamaLayer:
 
 class LlamaModel:
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 max_positions: int, attention: TorchReferenceAttention | None = None) -> None:
+                 max_positions: int, attention: TorchReferenceAttention | None = None,
+                 fused_ops: bool = True) -> None:
         self.args = args
         self.dtype = dtype
         self.q_size = args.num_heads * args.head_dim
@@ -55,6 +53,12 @@ class LlamaModel:
         self.lm_head = Linear(self.embed if (args.tie_word_embeddings or lm_head is None) else lm_head.to(dtype))
         self.layers = [LlamaLayer(state, f"model.layers.{i}.", args, dtype) for i in range(args.num_layers)]
         self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, dtype)
+        kernels = cpu_kernels() if fused_ops and dtype == torch.bfloat16 else None
+        self.ops = (FusedLayerOps(self.rope, args.rms_norm_eps, kernels)
+                    if FusedLayerOps.supports(kernels, dtype, args.hidden_size, args.head_dim)
+                    else TorchLayerOps(self.rope, args.rms_norm_eps))
+        # the norm that follows each layer: the next layer's input norm, the final norm after the last
+        self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         self.attention = attention or TorchReferenceAttention()
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
@@ -70,24 +74,24 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
-        args = self.args
+        args, ops = self.args, self.ops
         heads = args.num_heads + args.num_kv_heads
-        h = F.embedding(input_ids, self.embed)
-        rotation = self.rope.rotation(positions)  # per step, not per layer
-        plan = self.attention.plan(meta, block_size=self.k_caches[0].shape[1])
-        for layer, k_cache, v_cache in zip(self.layers, self.k_caches, self.v_caches):
-            x = rms_norm(h, layer.input_norm, args.rms_norm_eps)
+        ops.begin_step(positions)
+        plan = self.attention.plan(meta, block_size=self.k_caches[0].shape[1])  # per step, not per layer
+        h = F.embedding(input_ids, self.embed)  # the residual stream
+        x = ops.norm(h, self.layers[0].input_norm)
+        for layer, k_cache, v_cache, next_norm in zip(self.layers, self.k_caches, self.v_caches, self._next_norms):
             qkv = layer.qkv(x)
-            qk = self.rope.apply(qkv[:, :self.q_size + self.kv_size].view(-1, heads, args.head_dim), rotation)
+            qk = ops.rotate(qkv[:, :self.q_size + self.kv_size].view(-1, heads, args.head_dim))
             q, k = qk.split([args.num_heads, args.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size:].view(-1, args.num_kv_heads, args.head_dim)
             o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale)
-            h = h + layer.o(o.reshape(-1, self.q_size))
-            x = rms_norm(h, layer.post_attention_norm, args.rms_norm_eps)
+            h, x = ops.add_norm(h, layer.o(o.reshape(-1, self.q_size)), layer.post_attention_norm)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        return rms_norm(h, self.norm, args.rms_norm_eps)
+            h, x = ops.add_norm(h, layer.down(F.silu(gate) * up), next_norm)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """In the model's dtype: the sampler widens them only when it needs more than the argmax."""
+        return self.lm_head(hidden)

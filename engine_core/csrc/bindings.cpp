@@ -1,0 +1,20 @@
+// One extension module for the CPU kernels: paged decode attention always, the fused layer ops where
+// the CPU has AVX-512 BF16 (Python checks for them by name).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                           torch::Tensor seq_lens, double scale);
+#if defined(__AVX512BF16__)
+torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps);
+void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+#endif
+
+// The GIL is released while a kernel runs, so the server's event loop runs beside it.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("paged_decode", &paged_decode, "paged decode attention over a block-paged KV cache (CPU)", release());
+#if defined(__AVX512BF16__)
+  m.def("rms_norm", &rms_norm, "RMSNorm, with an optional residual add in place (bf16)", release());
+  m.def("rotary_", &rotary_, "rotary embeddings in place, rotate-half layout (bf16)", release());
+#endif
+}

@@ -1,0 +1,110 @@
+// Fused per-layer ops for the bf16 CPU forward: RMSNorm with the residual add folded in, and rotary
+// embeddings applied in place. At batch 1 the torch versions cost more in dispatch than in arithmetic
+// (F.rms_norm alone is seven ops); each of these is one call, with fp32 arithmetic rounded once.
+// AVX-512 with BF16 only: elsewhere the module leaves them out and the model keeps the torch ops.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+
+#if defined(__AVX512BF16__)
+namespace {
+
+inline __m512 load_bf16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline void store_bf16(at::BFloat16* p, __m512 x) {  // round to nearest even, as torch's casts do
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+void check_bf16(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name, " must be a bf16 CPU tensor");
+}
+
+}  // namespace
+
+// y = residual / rms(residual) * weight, row by row, for a contiguous [T, H] residual with H % 16 == 0.
+// With delta, first residual += delta in place, rounded to bf16 as `h = h + delta` rounds.
+torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                       double eps) {
+  check_bf16(residual, "residual");
+  check_bf16(weight, "weight");
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.size(1) % 16 == 0,
+              "residual must be contiguous [T, H] with H a multiple of 16");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1), "weight must be [H]");
+  torch::Tensor added;
+  if (delta.has_value()) {
+    added = delta->contiguous();
+    check_bf16(added, "delta");
+    TORCH_CHECK(added.sizes() == residual.sizes(), "delta and residual differ in shape");
+  }
+  auto out = torch::empty_like(residual);
+  const int64_t hidden = residual.size(1);
+  at::BFloat16* r = residual.data_ptr<at::BFloat16>();
+  const at::BFloat16* d = added.defined() ? added.data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16* w = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, residual.size(0), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      at::BFloat16* rr = r + row * hidden;
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t i = 0; i < hidden; i += 16) {
+        __m512 x = load_bf16(rr + i);
+        if (d != nullptr) {
+          store_bf16(rr + i, _mm512_add_ps(x, load_bf16(d + row * hidden + i)));
+          x = load_bf16(rr + i);  // the rounded sum is what the norm sees
+        }
+        squares = _mm512_fmadd_ps(x, x, squares);
+      }
+      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(hidden) +
+                                        static_cast<float>(eps));
+      const __m512 scale = _mm512_set1_ps(inv);
+      for (int64_t i = 0; i < hidden; i += 16)
+        store_bf16(o + row * hidden + i, _mm512_mul_ps(_mm512_mul_ps(load_bf16(rr + i), scale), load_bf16(w + i)));
+    }
+  });
+  return out;
+}
+
+// In place, HF's rotate-half layout: for i < D/2, (a, b) = (x[i], x[i + D/2]) becomes
+// (a·cos − b·sin, b·cos + a·sin) at each token's position. x: [T, H, D] with rows at any stride (the
+// q and k heads inside the fused qkv output); cos, sin: [max_positions, D] tables; D/2 % 16 == 0.
+void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  check_bf16(x, "x");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  const int64_t heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == dim && half % 16 == 0,
+              "x must be [T, H, D] with contiguous heads and D a multiple of 32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == dim && sin.sizes() == cos.sizes(),
+              "cos and sin must be [max_positions, D]");
+  auto pos = positions.to(torch::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == x.size(0), "one position per token");
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const int64_t row_stride = x.stride(0), max_positions = cos.size(0);
+  at::BFloat16* base = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* cos_table = cos.data_ptr<at::BFloat16>();
+  const at::BFloat16* sin_table = sin.data_ptr<at::BFloat16>();
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(p[t] >= 0 && p[t] < max_positions, "position ", p[t], " outside the rotary tables");
+  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const at::BFloat16* c = cos_table + p[t] * dim;
+      const at::BFloat16* s = sin_table + p[t] * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        at::BFloat16* v = base + t * row_stride + h * dim;
+        for (int64_t i = 0; i < half; i += 16) {
+          const __m512 a = load_bf16(v + i), b = load_bf16(v + half + i);
+          const __m512 cv = load_bf16(c + i), sv = load_bf16(s + i);  // the tables repeat after D/2
+          store_bf16(v + i, _mm512_fmsub_ps(a, cv, _mm512_mul_ps(b, sv)));
+          store_bf16(v + half + i, _mm512_fmadd_ps(b, cv, _mm512_mul_ps(a, sv)));
+        }
+      }
+    }
+  });
+}
+#endif

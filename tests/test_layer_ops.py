@@ -1,0 +1,86 @@
+"""The compiled fused layer ops (bf16 RMSNorm with the residual add, rotary embeddings) against the torch
+ops they replace, and the bf16 model forward through each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_core.cpu_kernels import cpu_kernels
+from engine_core.models.layer_ops import FusedLayerOps, TorchLayerOps
+from engine_core.models.rope import RotaryEmbedding
+
+
+@pytest.fixture(scope="module")
+def kernels():  # type: ignore[no-untyped-def]
+    module = cpu_kernels()
+    if module is None or not hasattr(module, "rms_norm"):
+        pytest.skip("no fused layer ops here (no C++ compiler, or no AVX-512 BF16): the model uses torch ops")
+    return module
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_fused_add_rms_norm_matches_torch_to_the_last_bit_or_one_ulp(kernels, rows: int) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(rows)
+    h = torch.randn(rows, 576, dtype=torch.bfloat16) * 3
+    delta = torch.randn_like(h)
+    weight = torch.randn(576, dtype=torch.bfloat16)
+    fused_h = h.clone()
+    got = kernels.rms_norm(fused_h, delta, weight, 1e-5)
+    assert torch.equal(fused_h, h + delta)  # the residual add happens in place, rounded like h + delta
+    for mine, theirs in ((got, F.rms_norm(h + delta, (576,), weight, 1e-5)),
+                         (kernels.rms_norm(h, None, weight, 1e-5), F.rms_norm(h, (576,), weight, 1e-5))):
+        # the sum of squares is added in another order, so a rare element rounds the other way
+        torch.testing.assert_close(mine, theirs, rtol=2 ** -7, atol=0)
+        assert (mine != theirs).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_rotary_matches_torch_and_touches_only_queries_and_keys(kernels, head_dim: int) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(head_dim)
+    heads, kv_heads, tokens = 6, 2, 41
+    rope = RotaryEmbedding(head_dim, 2048, 10000.0, None, torch.bfloat16)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    positions = torch.randint(0, 2048, (tokens,))
+    split = (heads + kv_heads) * head_dim
+    torch_ops, fused = TorchLayerOps(rope, 1e-5), FusedLayerOps(rope, 1e-5, kernels)
+    torch_ops.begin_step(positions)
+    fused.begin_step(positions)
+    want = torch_ops.rotate(qkv[:, :split].view(tokens, -1, head_dim)).float()
+    rotated = qkv.clone()
+    fused.rotate(rotated[:, :split].view(tokens, -1, head_dim))  # a strided view, rotated in place
+    got = rotated[:, :split].view(tokens, -1, head_dim).float()
+    assert (got - want).abs().max() <= 2 * 2 ** -8 * want.abs().max()  # bf16 rounding, not a wrong angle
+    assert torch.equal(rotated[:, split:], qkv[:, split:])  # values untouched
+    with pytest.raises(RuntimeError, match="outside the rotary tables"):
+        kernels.rotary_(rotated[:, :split].view(tokens, -1, head_dim), torch.full((tokens,), 2048), rope.cos, rope.sin)
+
+
+def test_bf16_forward_with_fused_ops_matches_torch_ops(smollm_dir: Path, kernels) -> None:  # type: ignore[no-untyped-def]
+    from engine_core import EngineConfig, LLMEngine, SamplingParams
+    from tests.engine_helpers import random_prompts
+
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", num_blocks=64, max_num_seqs=4))
+    assert isinstance(engine.model.ops, FusedLayerOps)
+    for i, prompt in enumerate(random_prompts(3, [20, 40], 49152, seed=7)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.step()  # prefill
+    engine.step()
+    batch = engine.scheduler.schedule()
+    prepared = engine.runner.prepare(batch)
+    model = engine.model
+
+    def forward() -> torch.Tensor:
+        # the step writes its new keys and values into the cache; both runs write the same slots
+        return model.forward(prepared.input_ids, prepared.positions, prepared.meta).float()
+
+    fused = forward()
+    model.ops = TorchLayerOps(model.rope, model.args.rms_norm_eps)
+    reference = forward()
+    cosine = F.cosine_similarity(fused, reference, dim=-1)
+    assert cosine.min() > 0.999, cosine
+    logits = model.compute_logits
+    assert torch.equal(logits(fused.bfloat16()).argmax(-1), logits(reference.bfloat16()).argmax(-1))
