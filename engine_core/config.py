@@ -22,9 +22,17 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = False
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    # "auto": the compiled CPU paged-decode kernel for bf16/fp16 when it builds, else the torch reference;
-    # "torch": always the reference (fp32 always uses it: it is what the exactness tests check)
+    # "auto": Triton kernels on CUDA; on CPU the compiled paged-decode kernel for bf16/fp16 when it
+    # builds, else the torch reference. "torch": always the reference (fp32 on CPU always uses it: it
+    # is what the exactness tests check). "triton": the Triton kernels (on CPU only under TRITON_INTERPRET=1).
     attention_backend: str = "auto"
+    device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
+    cuda_graphs: bool = True  # decode steps replayed from graphs captured per batch-size bucket (CUDA only)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
         try:

@@ -14,6 +14,7 @@ from engine_core.attention import TorchReferenceAttention
 from engine_core.attention.cpu_paged import CpuPagedAttention, paged_decode_kernel
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
+from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.detokenizer import IncrementalDetokenizer
 from engine_core.loader import load_model_args, load_state_dict, load_tokenizer, resolve_model_dir
 from engine_core.model_runner import ModelRunner
@@ -36,9 +37,14 @@ class StepStats:
     seconds: float
 
 
-def select_attention(config: EngineConfig) -> TorchReferenceAttention:
-    if config.attention_backend not in ("auto", "torch"):
-        raise ValueError(f"unknown attention_backend {config.attention_backend!r}; use 'auto' or 'torch'")
+def select_attention(config: EngineConfig, device: torch.device) -> Any:
+    """An object with the attention contract's `plan` and `forward` (attention/metadata.py)."""
+    if config.attention_backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention_backend {config.attention_backend!r}; use 'auto', 'torch' or 'triton'")
+    if config.attention_backend == "triton" or (config.attention_backend == "auto" and device.type == "cuda"):
+        from engine_core.attention.triton_paged import TritonAttention
+
+        return TritonAttention()
     if config.attention_backend == "auto" and config.torch_dtype() != torch.float32:
         kernel = paged_decode_kernel()
         if kernel is not None:
@@ -61,8 +67,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.max_model_len = min(config.max_model_len or self.model_args.max_position_embeddings,
                                  self.model_args.max_position_embeddings)
+        self.device = config.torch_device()
         self.model = LlamaModel(self.model_args, load_state_dict(self.model_dir), config.torch_dtype(),
-                                self.max_model_len, select_attention(config))
+                                self.max_model_len, select_attention(config, self.device), device=self.device)
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // self.model.kv_block_bytes(config.block_size))
         self.model.allocate_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -74,6 +81,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.runner = ModelRunner(self.model, config.block_size, Sampler(self.eos_token_ids))
+        if self.device.type == "cuda" and config.cuda_graphs and getattr(self.model.attention, "graph_safe", False):
+            self.runner.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_model_len, config.block_size)
         self.seqs: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_core.attention import AttentionMetadata
+from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.models.llama import LlamaModel
 from engine_core.sampler import Sampler, SampleResult, prompt_logprobs
 from engine_core.scheduler import ScheduledBatch
@@ -29,6 +30,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}  # accumulated over prefill chunks
+        self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
 
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         bs = self.block_size
@@ -58,22 +60,28 @@ class ModelRunner:
         block_table = torch.zeros((len(batch.seqs), width), dtype=torch.int32)
         for i, seq in enumerate(batch.seqs):
             block_table[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        device = self.model.device  # built on the host, copied once (a no-op on CPU)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=block_table,
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32).to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            block_table=block_table.to(device, non_blocking=True),
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(seq_lens),
             query_lens=list(batch.num_new_tokens),
             seq_lens_host=seq_lens,
         )
-        return PreparedBatch(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+        return PreparedBatch(torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
+                             torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
                              meta, sample_rows, sample_seqs, prompt_rows)
 
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
         prepared = self.prepare(batch)
-        hidden = self.model.forward(prepared.input_ids, prepared.positions, prepared.meta)
+        hidden = None
+        if self.graphs is not None:
+            hidden = self.graphs.forward(prepared.input_ids, prepared.positions, prepared.meta)
+        if hidden is None:
+            hidden = self.model.forward(prepared.input_ids, prepared.positions, prepared.meta)
         for index, (first, last) in prepared.prompt_rows.items():
             self._score_prompt(batch.seqs[index], self.model.compute_logits(hidden[first:last]))
         if not prepared.sample_seqs:

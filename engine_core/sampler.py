@@ -96,7 +96,9 @@ class Sampler:
         if all(_plain_greedy(s) for s in seqs):
             # the common case needs neither an fp32 copy of the logits nor anything but the argmax
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs), [[] for _ in seqs])
-        logits = logits.to(torch.float32, copy=True)  # penalties and masks write into it
+        # penalties and masks write into this copy; on the host, where each sequence's seeded generator
+        # lives, so a seed draws the same tokens on any device
+        logits = logits.to("cpu", torch.float32, copy=True)
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
 

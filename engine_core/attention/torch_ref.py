@@ -50,11 +50,12 @@ class TorchReferenceAttention:
         decode = None
         if decode_rows:
             all_decode = len(decode_rows) == meta.num_seqs
-            index = None if all_decode else torch.tensor(decode_rows)
+            device = meta.seq_lens.device
+            index = None if all_decode else torch.tensor(decode_rows, device=device)
             num_blocks = -(-max(meta.seq_lens_host[i] for i in decode_rows) // block_size)
             table = meta.block_table[:, :num_blocks] if all_decode else meta.block_table[index, :num_blocks]
             seq_lens = meta.seq_lens if all_decode else meta.seq_lens[index]
-            mask = torch.arange(num_blocks * block_size).unsqueeze(0) < seq_lens.unsqueeze(1)
+            mask = torch.arange(num_blocks * block_size, device=device).unsqueeze(0) < seq_lens.unsqueeze(1)
             rows = None if all_decode else meta.cu_seqlens_q[index].long()
             decode = DecodePlan(rows, table.long(), mask, seq_lens.long(), num_blocks)
         prefills = []
@@ -68,8 +69,9 @@ class TorchReferenceAttention:
                     prefills.append(PrefillPlan(starts[i], n, seq_len, None, None))
                     continue
                 blocks = meta.block_table[i, :-(-seq_len // block_size)].long()
-                q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)
-                prefills.append(PrefillPlan(starts[i], n, seq_len, blocks, torch.arange(seq_len).unsqueeze(0) <= q_pos))
+                positions = torch.arange(seq_len, device=blocks.device)
+                prefills.append(PrefillPlan(starts[i], n, seq_len, blocks,
+                                            positions.unsqueeze(0) <= positions[seq_len - n:].unsqueeze(1)))
         return AttentionPlan(meta, decode, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -81,7 +83,7 @@ class TorchReferenceAttention:
         slots = plan.meta.slot_mapping
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.decode is not None:
             self._decode(q, k_cache, v_cache, plan.decode, scale, out)
         for p in plan.prefills:

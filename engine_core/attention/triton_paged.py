@@ -28,7 +28,7 @@ def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, strid
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token)
     d = tl.arange(0, HEAD_DIM_P2)
-    mask = d < HEAD_DIM
+    mask = (d < HEAD_DIM) & (d * 0 + slot >= 0)  # slot -1: a padding row of a graph-replayed batch writes nothing
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
     tl.store(k_cache_ptr + slot * stride_cs + head * stride_ch + d, k, mask=mask)
@@ -37,7 +37,7 @@ def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, strid
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D] (contiguous)."""
+    """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D] (contiguous). Negative slots are skipped."""
     tokens, kv_heads, head_dim = k.shape
     if tokens == 0:
         return
@@ -202,6 +202,7 @@ class TritonAttention:
     the device; nothing here reads a value back to the host, so a decode step can be graph-captured."""
 
     name = "triton"
+    graph_safe = True
 
     @staticmethod
     def plan(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:

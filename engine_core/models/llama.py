@@ -17,10 +17,11 @@ from engine_core.models.rope import RotaryEmbedding
 
 
 class LlamaLayer:
-    def __init__(self, state: dict[str, torch.Tensor], prefix: str, args: ModelArgs, dtype: torch.dtype) -> None:
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str, args: ModelArgs, dtype: torch.dtype,
+                 device: torch.device) -> None:
         def take(name: str) -> torch.Tensor:
             try:
-                return state.pop(prefix + name).to(dtype)
+                return state.pop(prefix + name).to(device=device, dtype=dtype)
             except KeyError:
                 raise ModelLoadError(f"weight {prefix + name} missing from the checkpoint") from None
 
@@ -37,23 +38,25 @@ class LlamaLayer:
 class LlamaModel:
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
                  max_positions: int, attention: TorchReferenceAttention | None = None,
-                 fused_ops: bool = True) -> None:
+                 fused_ops: bool = True, device: torch.device | str = "cpu") -> None:
         self.args = args
         self.dtype = dtype
+        self.device = device = torch.device(device)
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
         self.scale = args.head_dim ** -0.5
         state = dict(state)
         try:
-            self.embed = state.pop("model.embed_tokens.weight").to(dtype)
-            self.norm = state.pop("model.norm.weight").to(dtype)
+            self.embed = state.pop("model.embed_tokens.weight").to(device=device, dtype=dtype)
+            self.norm = state.pop("model.norm.weight").to(device=device, dtype=dtype)
         except KeyError as exc:
             raise ModelLoadError(f"weight {exc} missing from the checkpoint") from None
         lm_head = state.pop("lm_head.weight", None)
-        self.lm_head = Linear(self.embed if (args.tie_word_embeddings or lm_head is None) else lm_head.to(dtype))
-        self.layers = [LlamaLayer(state, f"model.layers.{i}.", args, dtype) for i in range(args.num_layers)]
-        self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, dtype)
-        kernels = cpu_kernels() if fused_ops and dtype == torch.bfloat16 else None
+        tied = args.tie_word_embeddings or lm_head is None
+        self.lm_head = Linear(self.embed if tied else lm_head.to(device=device, dtype=dtype))
+        self.layers = [LlamaLayer(state, f"model.layers.{i}.", args, dtype, device) for i in range(args.num_layers)]
+        self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, dtype, device)
+        kernels = cpu_kernels() if fused_ops and dtype == torch.bfloat16 and device.type == "cpu" else None
         self.ops = (FusedLayerOps(self.rope, args.rms_norm_eps, kernels)
                     if FusedLayerOps.supports(kernels, dtype, args.hidden_size, args.head_dim)
                     else TorchLayerOps(self.rope, args.rms_norm_eps))
@@ -68,8 +71,8 @@ class LlamaModel:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -33,12 +33,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 
 class RotaryEmbedding:
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(dtype)  # [max_positions, head_dim]
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(device=device, dtype=dtype)  # [max_positions, head_dim]
+        self.sin = emb.sin().to(device=device, dtype=dtype)
 
         half = head_dim // 2
         self.signed_sin = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)  # folds rotate-half's sign
