@@ -36,14 +36,18 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     max_model_len: int | None = None
     enable_prefix_caching: bool = False
     num_threads: int | None = None
-    attention_backend: Literal["auto", "torch"] = "auto"  # auto: the compiled CPU kernel for bf16 when it builds
+    # auto: Triton on CUDA; on CPU the compiled kernels for bf16 when they build, else the torch reference
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when torch sees a GPU
+    cuda_graphs: bool = True  # CUDA only: decode steps replayed from graphs captured per batch size
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_mb * 1024**2, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             enable_prefix_caching=self.enable_prefix_caching, num_threads=self.num_threads,
-                            attention_backend=self.attention_backend)
+                            attention_backend=self.attention_backend, device=self.device,
+                            cuda_graphs=self.cuda_graphs)
 
 
 class EngineBackend:
