@@ -10,6 +10,7 @@ no C++ compiler the engine keeps its torch reference paths.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 import os
@@ -17,7 +18,8 @@ from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger("llmgw.engine")
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "layer_ops.cpp", "bindings.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("paged_decode.cpp", "layer_ops.cpp", "bindings.cpp")]
 # the target CPU: "native" where it runs; an image built on one machine for others sets e.g. x86-64-v3
 MARCH_ENV = "LLMGW_KERNEL_MARCH"
 _module: ModuleType | None = None
@@ -25,7 +27,10 @@ _tried = False
 
 
 def module_name() -> str:
-    return f"llmgw_cpu_kernels_{os.environ.get(MARCH_ENV, 'native').replace('-', '_')}"
+    """Named for the target CPU and the sources (headers included, which torch's builder does not
+    track), so that a changed kernel is never served from a stale build."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h")))
+    return f"llmgw_cpu_kernels_{os.environ.get(MARCH_ENV, 'native').replace('-', '_')}_{digest.hexdigest()[:10]}"
 
 
 def cpu_kernels() -> ModuleType | None:

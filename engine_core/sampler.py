@@ -94,8 +94,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [len(seqs), vocab] in the model's dtype, one row per sequence that samples this step."""
         if all(_plain_greedy(s) for s in seqs):
-            # the common case needs neither an fp32 copy of the logits nor anything but the argmax
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs), [[] for _ in seqs])
+            # the common case needs neither an fp32 copy of the logits nor anything but the argmax; max()
+            # returns the same first index, and on CPU in bf16 it is ~6x faster than argmax()
+            return SampleResult(logits.max(dim=-1).indices.tolist(), [None] * len(seqs), [[] for _ in seqs])
         # penalties and masks write into this copy; on the host, where each sequence's seeded generator
         # lives, so a seed draws the same tokens on any device
         logits = logits.to("cpu", torch.float32, copy=True)

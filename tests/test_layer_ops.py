@@ -59,6 +59,18 @@ def test_fused_rotary_matches_torch_and_touches_only_queries_and_keys(kernels, h
         kernels.rotary_(rotated[:, :split].view(tokens, -1, head_dim), torch.full((tokens,), 2048), rope.cos, rope.sin)
 
 
+@pytest.mark.parametrize("rows", [1, 9, 200])
+def test_fused_silu_and_mul_matches_torch(kernels, rows: int) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 1536, dtype=torch.bfloat16) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    exact = torch.nn.functional.silu(gate.double()) * up.double()
+    got, theirs = kernels.silu_and_mul(gate_up).double(), (F.silu(gate) * up).double()
+    # one rounding where torch rounds twice: never further from the exact value than torch's, plus an ulp
+    assert ((got - exact).abs() <= (theirs - exact).abs() + 2 ** -8 * exact.abs() + 1e-30).all()
+    torch.testing.assert_close(got, theirs, rtol=2 ** -6, atol=1e-2)
+
+
 def test_bf16_forward_with_fused_ops_matches_torch_ops(smollm_dir: Path, kernels) -> None:  # type: ignore[no-untyped-def]
     from engine_core import EngineConfig, LLMEngine, SamplingParams
     from tests.engine_helpers import random_prompts

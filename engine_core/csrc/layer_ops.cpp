@@ -1,25 +1,17 @@
-// Fused per-layer ops for the bf16 CPU forward: RMSNorm with the residual add folded in, and rotary
-// embeddings applied in place. At batch 1 the torch versions cost more in dispatch than in arithmetic
-// (F.rms_norm alone is seven ops); each of these is one call, with fp32 arithmetic rounded once.
+// Fused per-layer ops for the bf16 CPU forward: RMSNorm with the residual add folded in, rotary
+// embeddings applied in place, and the MLP's silu(gate) * up. At batch 1 the torch versions cost more
+// in dispatch than in arithmetic (F.rms_norm alone is seven ops); each of these is one call, with fp32
+// arithmetic rounded once.
 // AVX-512 with BF16 only: elsewhere the module leaves them out and the model keeps the torch ops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
+#include "vec512.h"
 
 #include <cmath>
 
 #if defined(__AVX512BF16__)
 namespace {
-
-inline __m512 load_bf16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline void store_bf16(at::BFloat16* p, __m512 x) {  // round to nearest even, as torch's casts do
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
-}
 
 void check_bf16(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name, " must be a bf16 CPU tensor");
@@ -53,10 +45,10 @@ torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delt
       at::BFloat16* rr = r + row * hidden;
       __m512 squares = _mm512_setzero_ps();
       for (int64_t i = 0; i < hidden; i += 16) {
-        __m512 x = load_bf16(rr + i);
+        __m512 x = load16(rr + i);
         if (d != nullptr) {
-          store_bf16(rr + i, _mm512_add_ps(x, load_bf16(d + row * hidden + i)));
-          x = load_bf16(rr + i);  // the rounded sum is what the norm sees
+          store16(rr + i, _mm512_add_ps(x, load16(d + row * hidden + i)));
+          x = load16(rr + i);  // the rounded sum is what the norm sees
         }
         squares = _mm512_fmadd_ps(x, x, squares);
       }
@@ -64,7 +56,7 @@ torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delt
                                         static_cast<float>(eps));
       const __m512 scale = _mm512_set1_ps(inv);
       for (int64_t i = 0; i < hidden; i += 16)
-        store_bf16(o + row * hidden + i, _mm512_mul_ps(_mm512_mul_ps(load_bf16(rr + i), scale), load_bf16(w + i)));
+        store16(o + row * hidden + i, _mm512_mul_ps(_mm512_mul_ps(load16(rr + i), scale), load16(w + i)));
     }
   });
   return out;
@@ -98,13 +90,36 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
       for (int64_t h = 0; h < heads; ++h) {
         at::BFloat16* v = base + t * row_stride + h * dim;
         for (int64_t i = 0; i < half; i += 16) {
-          const __m512 a = load_bf16(v + i), b = load_bf16(v + half + i);
-          const __m512 cv = load_bf16(c + i), sv = load_bf16(s + i);  // the tables repeat after D/2
-          store_bf16(v + i, _mm512_fmsub_ps(a, cv, _mm512_mul_ps(b, sv)));
-          store_bf16(v + half + i, _mm512_fmadd_ps(b, cv, _mm512_mul_ps(a, sv)));
+          const __m512 a = load16(v + i), b = load16(v + half + i);
+          const __m512 cv = load16(c + i), sv = load16(s + i);  // the tables repeat after D/2
+          store16(v + i, _mm512_fmsub_ps(a, cv, _mm512_mul_ps(b, sv)));
+          store16(v + half + i, _mm512_fmadd_ps(b, cv, _mm512_mul_ps(a, sv)));
         }
       }
     }
   });
+}
+// silu(gate) · up for the fused gate|up projection [T, 2I] → [T, I]; one rounding instead of torch's
+// three (silu, then the product), and one pass instead of two over a non-contiguous half.
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 32 == 0,
+              "gate_up must be contiguous [T, 2I] with I a multiple of 16");
+  const int64_t width = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+  const at::BFloat16* in = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  const __m512 one = _mm512_set1_ps(1.f);
+  at::parallel_for(0, gate_up.size(0), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const at::BFloat16* gate = in + row * 2 * width;
+      for (int64_t i = 0; i < width; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        store16(o + row * width + i, _mm512_mul_ps(silu, load16(gate + width + i)));
+      }
+    }
+  });
+  return out;
 }
 #endif

@@ -4,7 +4,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
+#include "vec512.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,35 +27,6 @@ inline float to_float(at::BFloat16 x) {
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-
-// e^x for 16 floats: 2^n · P(r) with n = round(x·log2 e), r = x − n·ln 2 (Cephes' expf polynomial);
-// relative error ~1e-7, and no call into libm per element.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 tail_mask(int64_t remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1u);
-}
-
 // In place: s[0:len] = softmax(s[0:len]), 16 at a time.
 inline void softmax16(float* s, int64_t len) {
   __m512 top = _mm512_set1_ps(-INFINITY);

@@ -37,6 +37,11 @@ class TorchLayerOps:
         assert self._rotation is not None
         return self.rope.apply(qk, self._rotation)
 
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, from the fused [T, 2I] gate|up projection."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
 
 class FusedLayerOps(TorchLayerOps):
     def __init__(self, rope: RotaryEmbedding, eps: float, kernels: ModuleType) -> None:
@@ -45,9 +50,10 @@ class FusedLayerOps(TorchLayerOps):
         self._positions: torch.Tensor | None = None
 
     @staticmethod
-    def supports(kernels: ModuleType | None, dtype: torch.dtype, hidden_size: int, head_dim: int) -> bool:
+    def supports(kernels: ModuleType | None, dtype: torch.dtype, hidden_size: int, head_dim: int,
+                 intermediate_size: int) -> bool:
         return (kernels is not None and hasattr(kernels, "rms_norm") and dtype == torch.bfloat16
-                and hidden_size % 16 == 0 and head_dim % 32 == 0)
+                and hidden_size % 16 == 0 and head_dim % 32 == 0 and intermediate_size % 16 == 0)
 
     def begin_step(self, positions: torch.Tensor) -> None:
         self._positions = positions
@@ -61,3 +67,6 @@ class FusedLayerOps(TorchLayerOps):
     def rotate(self, qk: torch.Tensor) -> torch.Tensor:
         self.kernels.rotary_(qk, self._positions, self.rope.cos, self.rope.sin)  # in place; it signs sin itself
         return qk
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_and_mul(gate_up)

@@ -58,7 +58,7 @@ class LlamaModel:
         self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, dtype, device)
         kernels = cpu_kernels() if fused_ops and dtype == torch.bfloat16 and device.type == "cpu" else None
         self.ops = (FusedLayerOps(self.rope, args.rms_norm_eps, kernels)
-                    if FusedLayerOps.supports(kernels, dtype, args.hidden_size, args.head_dim)
+                    if FusedLayerOps.supports(kernels, dtype, args.hidden_size, args.head_dim, args.intermediate_size)
                     else TorchLayerOps(self.rope, args.rms_norm_eps))
         # the norm that follows each layer: the next layer's input norm, the final norm after the last
         self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
@@ -90,8 +90,7 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size:].view(-1, args.num_kv_heads, args.head_dim)
             o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale)
             h, x = ops.add_norm(h, layer.o(o.reshape(-1, self.q_size)), layer.post_attention_norm)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h, x = ops.add_norm(h, layer.down(F.silu(gate) * up), next_norm)
+            h, x = ops.add_norm(h, layer.down(ops.silu_and_mul(layer.gate_up(x))), next_norm)
         return x
 
     @torch.inference_mode()
