@@ -51,15 +51,16 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
             "ttft_p50_s": statistics.median(first_token.values())}
 
 
-def run_hf(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: torch.dtype) -> dict:
+def run_hf(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: torch.dtype,
+           device: torch.device) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     generated = 0
     started = time.perf_counter()
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=output_len,
                                  min_new_tokens=output_len, pad_token_id=0)
             generated += out.shape[1] - len(p)
@@ -76,6 +77,8 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=3, help="sequential generate calls for the reference")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--device", default="auto", help="auto: CUDA when torch sees a GPU")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,10 +86,14 @@ def main() -> None:
     model_dir = resolve_model_dir("embedded")
     max_c = max(args.concurrency)
     config = EngineConfig(model=str(model_dir), dtype=args.dtype, max_num_seqs=max(max_c, 1),
-                          max_num_batched_tokens=2048, kv_cache_bytes=2 * 1024**3)
+                          max_num_batched_tokens=2048, kv_cache_bytes=2 * 1024**3, device=args.device,
+                          cuda_graphs=not args.no_cuda_graphs)
     engine = LLMEngine(config)
     run_engine(engine, random_prompts(2, args.prompt_len, 49152, seed=99), 4)  # warm-up
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+    device = engine.device
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {where}",
+               "cuda_graphs": engine.runner.graphs is not None,
                "dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len, "engine": {}}
     for c in args.concurrency:
         results["engine"][c] = run_engine(engine, random_prompts(c, args.prompt_len, 49152, seed=c), args.output_len)
@@ -94,7 +101,7 @@ def main() -> None:
         print(f"engine c={c}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = {r['tok_per_s']:.1f} tok/s "
               f"(TTFT p50 {r['ttft_p50_s']:.2f}s)", flush=True)
     hf = run_hf(model_dir, random_prompts(args.hf_requests, args.prompt_len, 49152, seed=7), args.output_len,
-                config.torch_dtype())
+                config.torch_dtype(), device)
     results["hf_sequential"] = hf
     print(f"transformers sequential generate: {hf['output_tokens']} tokens in {hf['seconds']:.1f}s = "
           f"{hf['tok_per_s']:.1f} tok/s")

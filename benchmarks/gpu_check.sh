@@ -9,11 +9,11 @@ if ! $PY -c "import torch, triton" 2>/dev/null; then
     $PY -m pip install -q torch==2.13.0 triton pytest numpy
 fi
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
-echo "== kernel tests on the GPU"
-timeout 180 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+echo "== kernel tests and the engine's GPU path (Triton attention in the engine, CUDA graphs) on the GPU"
+timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_engine_gpu_path.py
 echo "== paged-decode kernel, bf16"
 timeout 180 $PY benchmarks/gpu_kernels.py
-echo "== end-to-end engine throughput"
-# The engine's model, KV cache and sampler are CPU-only so far: the kernels above are the GPU path
-# that exists. When the engine takes a device, run benchmarks/engine_throughput.py here.
-echo "not measured: the engine does not run on CUDA yet"
+echo "== end-to-end engine throughput on CUDA, with CUDA graphs, against transformers' generate on the GPU"
+timeout 150 $PY benchmarks/engine_throughput.py --device cuda --concurrency 1 32 128 --hf-requests 2
+echo "== the same at batch 1 without CUDA graphs"
+timeout 60 $PY benchmarks/engine_throughput.py --device cuda --concurrency 1 --hf-requests 1 --no-cuda-graphs
