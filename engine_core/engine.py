@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from engine_core.attention import TorchReferenceAttention
+from engine_core.attention import AttentionBackend, TorchReferenceAttention
 from engine_core.attention.cpu_paged import CpuPagedAttention, paged_decode_kernel
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
@@ -37,8 +37,7 @@ class StepStats:
     seconds: float
 
 
-def select_attention(config: EngineConfig, device: torch.device) -> Any:
-    """An object with the attention contract's `plan` and `forward` (attention/metadata.py)."""
+def select_attention(config: EngineConfig, device: torch.device) -> AttentionBackend:
     if config.attention_backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown attention_backend {config.attention_backend!r}; use 'auto', 'torch' or 'triton'")
     if config.attention_backend == "triton" or (config.attention_backend == "auto" and device.type == "cuda"):

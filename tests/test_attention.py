@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.attention import AttentionMetadata, TorchReferenceAttention
+from engine_core.attention import AttentionBackend, AttentionMetadata, TorchReferenceAttention
 from engine_core.attention.cpu_paged import CpuPagedAttention, paged_decode_kernel
 from engine_core.attention.torch_ref import _grouped_decode
 
@@ -21,17 +21,18 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v.double())
 
 
-def backends() -> list[TorchReferenceAttention]:
+def backends() -> list[AttentionBackend]:
     kernel = paged_decode_kernel()
     return [TorchReferenceAttention()] + ([CpuPagedAttention(kernel)] if kernel is not None else [])
 
 
 @pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_prefill_and_decode_batch_matches_dense_attention(dtype: torch.dtype,
-                                                                backend: TorchReferenceAttention) -> None:
+@pytest.mark.parametrize("dim", [16, 64])  # the kernel's generic path, and its vectorised one
+def test_mixed_prefill_and_decode_batch_matches_dense_attention(dtype: torch.dtype, dim: int,
+                                                                backend: AttentionBackend) -> None:
     torch.manual_seed(0)
-    heads, kv_heads, dim, block = 6, 2, 16, 4
+    heads, kv_heads, block = 6, 2, 4
     total = [7, 1, 12, 5]  # tokens each sequence has in all
     new = [7, 1, 3, 1]  # computed this step: a prefill, two decodes, a chunk over a cached prefix
     qkv = [(torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)) for n in total]

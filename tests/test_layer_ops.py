@@ -94,5 +94,9 @@ def test_bf16_forward_with_fused_ops_matches_torch_ops(smollm_dir: Path, kernels
     reference = forward()
     cosine = F.cosine_similarity(fused, reference, dim=-1)
     assert cosine.min() > 0.999, cosine
-    logits = model.compute_logits
-    assert torch.equal(logits(fused.bfloat16()).argmax(-1), logits(reference.bfloat16()).argmax(-1))
+    fused_logits = model.compute_logits(fused.bfloat16()).float()
+    reference_logits = model.compute_logits(reference.bfloat16()).float()
+    # random-token prompts give flat distributions with near ties, so: each token the fused forward would
+    # pick is, by the reference's logits, the best or within a rounding step of it
+    picked = reference_logits.gather(1, fused_logits.argmax(-1, keepdim=True)).squeeze(1)
+    assert (picked >= reference_logits.max(-1).values - 0.25).all()

@@ -1,19 +1,24 @@
-"""Decode attention for CPU that reads keys and values in place from the paged cache.
+"""Attention for CPU that reads keys and values in place from the paged cache, with one compiled kernel
+call per layer for every row of the step, prefill or decode.
 
 The torch reference gathers every decoding sequence's blocks into a padded [B, Hkv, L, D] copy, then
 transposes (another copy) for its matmuls: at batch 128 that was about 60% of a decode step (profile
-in BENCHMARKS.md). The compiled kernel (`engine_core/csrc/paged_decode.cpp`, built by
-`engine_core.cpu_kernels`) walks each sequence's block table instead, scores and softmax in fp32.
-Prefill chunks use the reference path.
+in BENCHMARKS.md), and it runs each prefill chunk as its own SDPA call. The compiled kernel
+(`engine_core/csrc/paged_decode.cpp`, built by `engine_core.cpu_kernels`) walks a block table in place,
+scores and softmax in fp32, one query per row. A prefill token is such a row too: once this step's keys
+and values are in the cache, causal attention for the token at position p is attention over the first
+p + 1 slots of its sequence's blocks. So the plan gives every row its sequence's block table and its own
+key count, and mixed batches, chunks over a cached prefix and decodes all go through the one call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from engine_core.attention.torch_ref import DecodePlan, TorchReferenceAttention
+from engine_core.attention.metadata import AttentionMetadata
 from engine_core.cpu_kernels import cpu_kernels
 
 
@@ -23,17 +28,39 @@ def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
     return None if module is None else module.paged_decode
 
 
-class CpuPagedAttention(TorchReferenceAttention):
+@dataclass(slots=True)
+class RowPlan:
+    meta: AttentionMetadata
+    blocks: torch.Tensor  # [T, num_blocks] int64: each query row's sequence's block table
+    key_counts: torch.Tensor  # [T] int64: the keys each row attends to (its position + 1)
+
+
+class CpuPagedAttention:
     name = "cpu-paged"
 
     def __init__(self, kernel: Callable[..., torch.Tensor]) -> None:
         self.kernel = kernel
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
-                scale: float, out: torch.Tensor) -> None:
-        qs = q if plan.rows is None else q[plan.rows]
-        o = self.kernel(qs, k_cache, v_cache, plan.blocks, plan.seq_lens, scale)
-        if plan.rows is None:
-            out.copy_(o)
-        else:
-            out[plan.rows] = o
+    @staticmethod
+    def plan(meta: AttentionMetadata, block_size: int) -> RowPlan:
+        """Once per step: which blocks and how many keys each query row sees."""
+        num_blocks = -(-max(meta.seq_lens_host) // block_size)
+        table = meta.block_table[:, :num_blocks].long()
+        if meta.max_seqlen_q == 1:  # decode only: a row per sequence, all its keys
+            return RowPlan(meta, table, meta.seq_lens.long())
+        query_lens = torch.tensor(meta.query_lens)
+        seq_of_row = torch.repeat_interleave(torch.arange(len(meta.query_lens)), query_lens)
+        offset = torch.arange(seq_of_row.numel()) - meta.cu_seqlens_q[:-1].long()[seq_of_row]
+        cached = meta.seq_lens.long() - query_lens  # keys before this step's tokens
+        return RowPlan(meta, table[seq_of_row], cached[seq_of_row] + offset + 1)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, plan: RowPlan | AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]."""
+        if isinstance(plan, AttentionMetadata):
+            plan = self.plan(plan, k_cache.shape[1])
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        slots = plan.meta.slot_mapping  # this step's keys and values first: its prefill rows read them
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        return self.kernel(q, k_cache, v_cache, plan.blocks, plan.key_counts, scale)

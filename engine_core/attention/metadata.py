@@ -9,6 +9,7 @@ written to slot_mapping[t] = block_id * block_size + offset.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -28,3 +29,15 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+
+class AttentionBackend(Protocol):
+    """What the model calls in each layer. `plan` runs once per step (whatever depends only on the step's
+    layout); `forward` writes the step's keys and values into the cache and returns [T, Hq, D]."""
+
+    name: str
+
+    def plan(self, meta: AttentionMetadata, block_size: int) -> Any: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, plan: Any, scale: float) -> torch.Tensor: ...

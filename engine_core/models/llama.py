@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine_core.attention import AttentionMetadata, TorchReferenceAttention
+from engine_core.attention import AttentionBackend, AttentionMetadata, TorchReferenceAttention
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.loader import ModelArgs, ModelLoadError
 from engine_core.models.layer_ops import FusedLayerOps, TorchLayerOps
@@ -37,7 +37,7 @@ class LlamaLayer:
 
 class LlamaModel:
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 max_positions: int, attention: TorchReferenceAttention | None = None,
+                 max_positions: int, attention: AttentionBackend | None = None,
                  fused_ops: bool = True, device: torch.device | str = "cpu") -> None:
         self.args = args
         self.dtype = dtype
@@ -62,7 +62,7 @@ class LlamaModel:
                     else TorchLayerOps(self.rope, args.rms_norm_eps))
         # the norm that follows each layer: the next layer's input norm, the final norm after the last
         self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
-        self.attention = attention or TorchReferenceAttention()
+        self.attention: AttentionBackend = attention or TorchReferenceAttention()
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
 
