@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from engine_core import LLMEngine, RequestOutput, SamplingParams
+from engine_core.model_runner import PreparedBatch
 
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
@@ -45,3 +46,15 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
 def random_prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def scheduled_decode_step(engine: LLMEngine, prompts: list[list[int]], warm_steps: int = 2) -> PreparedBatch:
+    """Add the prompts, run `warm_steps` steps (the prefills, then decodes), and return the next step's
+    model inputs, scheduled but not run: for calling model.forward on the same step more than one way."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=warm_steps + 8, ignore_eos=True))
+    for _ in range(warm_steps):
+        engine.step()
+    batch = engine.scheduler.schedule()
+    assert all(n == 1 for n in batch.num_new_tokens)
+    return engine.runner.prepare(batch)

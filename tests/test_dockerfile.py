@@ -58,3 +58,26 @@ def test_the_image_default_config_is_valid() -> None:
 
     config = load_config(ROOT / "deploy" / "config.toml")
     assert config.server.host == "0.0.0.0" and config.server.drain_timeout < 30
+
+
+def test_the_installed_package_carries_the_kernel_sources(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The image copies these folders, installs them with `pip install .`, then compiles the CPU kernels
+    from the installed package: the wheel must hold every source and header they are built from."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"  # a fresh copy, as the image's COPY lines make it: no stale build/ folder
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for package in ("gateway", "backends", "engine_core", "llmgw_bench"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "dist")], check=True, cwd=src)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {f"engine_core/csrc/{p.name}" for p in (ROOT / "engine_core" / "csrc").iterdir()}
+    assert sources and {s for s in sources if s.endswith((".cpp", ".h"))} == sources
+    assert sources <= names, sources - names

@@ -13,7 +13,7 @@ import torch
 
 from engine_core import EngineConfig, LLMEngine, SamplingParams
 from engine_core.cuda_graphs import DecodeGraphs
-from tests.engine_helpers import random_prompts
+from tests.engine_helpers import random_prompts, scheduled_decode_step
 
 pytest.importorskip("triton")
 
@@ -43,12 +43,7 @@ def test_engine_on_triton_attention_generates_what_the_reference_engine_does(tin
 
 def test_a_decode_step_padded_to_its_bucket_matches_the_unpadded_step(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir, "triton")
-    for i, prompt in enumerate(random_prompts(3, [10, 30], 49152, seed=22)):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    engine.step()  # prefill
-    engine.step()
-    batch = engine.scheduler.schedule()
-    prepared = engine.runner.prepare(batch)
+    prepared = scheduled_decode_step(engine, random_prompts(3, [10, 30], 49152, seed=22))
     model = engine.model
     before = [c.clone() for c in model.k_caches + model.v_caches]
     eager = model.forward(prepared.input_ids, prepared.positions, prepared.meta)

@@ -8,7 +8,7 @@ import pytest
 
 from engine_core import EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import build_tiny_model
-from tests.engine_helpers import hf_greedy, random_prompts, run_staggered
+from tests.engine_helpers import hf_greedy, random_prompts, run_staggered, scheduled_decode_step
 
 LENGTHS = [5, 17, 33, 1, 64, 12, 100, 40]
 ARRIVALS = [0, 0, 1, 2, 3, 5, 8, 9]
@@ -85,13 +85,8 @@ def test_bf16_decode_with_the_cpu_kernel_matches_the_torch_reference(smollm_dir:
     engine = _engine(smollm_dir, dtype="bfloat16")
     if not isinstance(engine.model.attention, CpuPagedAttention):
         pytest.skip("no C++ compiler here: bf16 uses the torch reference")
-    for i, prompt in enumerate(random_prompts(6, [20, 70], 49152, seed=4)):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))
-    for _ in range(12):  # prefills, then decodes with contexts over several blocks
-        engine.step()
-    batch = engine.scheduler.schedule()
-    assert all(n == 1 for n in batch.num_new_tokens)
-    prepared = engine.runner.prepare(batch)
+    # prefills, then decodes with contexts over several blocks
+    prepared = scheduled_decode_step(engine, random_prompts(6, [20, 70], 49152, seed=4), warm_steps=12)
     kernel_attention = engine.model.attention
     hidden = engine.model.forward(prepared.input_ids, prepared.positions, prepared.meta)
     engine.model.attention = TorchReferenceAttention()

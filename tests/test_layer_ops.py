@@ -72,17 +72,12 @@ def test_fused_silu_and_mul_matches_torch(kernels, rows: int) -> None:  # type: 
 
 
 def test_bf16_forward_with_fused_ops_matches_torch_ops(smollm_dir: Path, kernels) -> None:  # type: ignore[no-untyped-def]
-    from engine_core import EngineConfig, LLMEngine, SamplingParams
-    from tests.engine_helpers import random_prompts
+    from engine_core import EngineConfig, LLMEngine
+    from tests.engine_helpers import random_prompts, scheduled_decode_step
 
     engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", num_blocks=64, max_num_seqs=4))
     assert isinstance(engine.model.ops, FusedLayerOps)
-    for i, prompt in enumerate(random_prompts(3, [20, 40], 49152, seed=7)):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
-    engine.step()  # prefill
-    engine.step()
-    batch = engine.scheduler.schedule()
-    prepared = engine.runner.prepare(batch)
+    prepared = scheduled_decode_step(engine, random_prompts(3, [20, 40], 49152, seed=7))
     model = engine.model
 
     def forward() -> torch.Tensor:
