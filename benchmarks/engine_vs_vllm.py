@@ -117,8 +117,9 @@ def main() -> None:
                        str(resolve_model_dir("embedded")), "--served-model-name", "smollm2", "--port", "8412",
                        "--dtype", "bfloat16", "--max-model-len", "4096"],
               {"VLLM_CPU_KVCACHE_SPACE": "4"}, "http://127.0.0.1:8412", vllm_json, args)
-    subprocess.run([sys.executable, "-m", "gateway", "bench", "compare", str(vllm_json), str(engine_json)],
-                   check=True, cwd=ROOT)
+    if engine_json.exists() and vllm_json.exists():  # with --skip, from an earlier run into the same folder
+        subprocess.run([sys.executable, "-m", "gateway", "bench", "compare", str(vllm_json), str(engine_json)],
+                       check=True, cwd=ROOT)
 
 
 if __name__ == "__main__":
