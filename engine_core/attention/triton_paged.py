@@ -61,6 +61,20 @@ def _attend_block(q, k, v, visible, scale, m_i, l_i, acc):
 
 
 @triton.jit
+def _load_kv_block(k_cache_ptr, v_cache_ptr, block_table_ptr, seq, b, seq_len, kv_head, d, d_ok, stride_bt,
+                   stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
+    """Keys and values of the sequence's b-th block for one KV head, zero past seq_len, and their positions."""
+    n = tl.arange(0, BLOCK_SIZE)
+    block_id = tl.load(block_table_ptr + seq * stride_bt + b)
+    k_pos = b * BLOCK_SIZE + n
+    offsets = block_id * stride_cb + n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+    kv_ok = (k_pos < seq_len)[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=kv_ok, other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=kv_ok, other=0.0)
+    return k, v, k_pos
+
+
+@triton.jit
 def _paged_attention(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr, scale,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -84,14 +98,9 @@ def _paged_attention(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, 
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
         kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)  # the tile's last query sees this far
-        n = tl.arange(0, BLOCK_SIZE)
         for b in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
-            block_id = tl.load(block_table_ptr + seq * stride_bt + b)
-            k_pos = b * BLOCK_SIZE + n
-            offsets = block_id * stride_cb + n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-            kv_ok = (k_pos < seq_len)[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + offsets, mask=kv_ok, other=0.0)
-            v = tl.load(v_cache_ptr + offsets, mask=kv_ok, other=0.0)
+            k, v, k_pos = _load_kv_block(k_cache_ptr, v_cache_ptr, block_table_ptr, seq, b, seq_len, kv_head, d, d_ok,
+                                         stride_bt, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
             m_i, l_i, acc = _attend_block(q, k, v, visible, scale, m_i, l_i, acc)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -134,16 +143,11 @@ def _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, acc_ptr, ml_ptr, block_table_
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
-    n = tl.arange(0, BLOCK_SIZE)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
     for b in range(first, last):
-        block_id = tl.load(block_table_ptr + seq * stride_bt + b)
-        k_pos = b * BLOCK_SIZE + n
-        offsets = block_id * stride_cb + n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        kv_ok = (k_pos < seq_len)[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_ok, other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_ok, other=0.0)
+        k, v, k_pos = _load_kv_block(k_cache_ptr, v_cache_ptr, block_table_ptr, seq, b, seq_len, kv_head, d, d_ok,
+                                     stride_bt, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         m_i, l_i, acc = _attend_block(q, k, v, (k_pos < seq_len)[None, :], scale, m_i, l_i, acc)
     # partials: acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]
     heads = kv_head * GROUP + g

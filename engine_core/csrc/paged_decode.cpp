@@ -26,6 +26,16 @@ inline float to_float(at::BFloat16 x) {
 }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
+// Where each of a sequence's first `len` tokens starts in the cache (in elements, plus head_offset),
+// from one walk over its block table: the kernels then read row t at cache + offsets[t].
+inline void row_offsets(const int64_t* table, int64_t len, int64_t block_size, int64_t token_stride,
+                        int64_t head_offset, std::vector<int64_t>& offsets) {
+  offsets.resize(len);
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk)
+    for (int64_t i = 0, n = std::min(block_size, len - t0); i < n; ++i)
+      offsets[t0 + i] = (table[blk] * block_size + i) * token_stride + head_offset;
+}
+
 #if defined(__AVX512F__)
 // In place: s[0:len] = softmax(s[0:len]), 16 at a time.
 inline void softmax16(float* s, int64_t len) {
@@ -57,43 +67,36 @@ void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
   const int64_t token_stride = num_kv_heads * HD;
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * HD), acc(group * HD), scores;
+    std::vector<int64_t> offsets;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / num_kv_heads, h = work % num_kv_heads;
       const int64_t len = seq_lens[b];
-      const int64_t* table = block_table + b * table_width;
+      row_offsets(block_table + b * table_width, len, block_size, token_stride, h * HD, offsets);
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* qrow = q + (b * num_heads + h * group + g) * HD;
         for (int c = 0; c < C; ++c) store16(&qf[g * HD + c * 16], _mm512_mul_ps(load16(qrow + c * 16), _mm512_set1_ps(scale)));
       }
       scores.resize(group * len);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const scalar_t* base = k_cache + table[t0 / block_size] * block_size * token_stride + h * HD;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t* krow = base + i * token_stride;
-          __m512 k[C];
-          for (int c = 0; c < C; ++c) k[c] = load16(krow + c * 16);
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(&qf[g * HD]), k[0]);
-            for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g * HD + c * 16]), k[c], dot);
-            scores[g * len + t0 + i] = _mm512_reduce_add_ps(dot);
-          }
+      for (int64_t t = 0; t < len; ++t) {
+        const scalar_t* krow = k_cache + offsets[t];
+        __m512 k[C];
+        for (int c = 0; c < C; ++c) k[c] = load16(krow + c * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(&qf[g * HD]), k[0]);
+          for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g * HD + c * 16]), k[c], dot);
+          scores[g * len + t] = _mm512_reduce_add_ps(dot);
         }
       }
       for (int64_t g = 0; g < group; ++g) softmax16(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const scalar_t* base = v_cache + table[t0 / block_size] * block_size * token_stride + h * HD;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t* vrow = base + i * token_stride;
-          __m512 v[C];
-          for (int c = 0; c < C; ++c) v[c] = load16(vrow + c * 16);
-          for (int64_t g = 0; g < group; ++g) {
-            const __m512 p = _mm512_set1_ps(scores[g * len + t0 + i]);
-            float* a = &acc[g * HD];
-            for (int c = 0; c < C; ++c) store16(a + c * 16, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(a + c * 16)));
-          }
+      for (int64_t t = 0; t < len; ++t) {
+        const scalar_t* vrow = v_cache + offsets[t];
+        __m512 v[C];
+        for (int c = 0; c < C; ++c) v[c] = load16(vrow + c * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+          float* a = &acc[g * HD];
+          for (int c = 0; c < C; ++c) store16(a + c * 16, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(a + c * 16)));
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -152,11 +155,7 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / tasks_per_seq, first_head = (work % tasks_per_seq) * heads_per_task;
       const int64_t len = seq_lens[b];
-      const int64_t* table = block_table + b * table_width;
-      offsets.resize(len);
-      for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk)
-        for (int64_t i = 0, n = std::min(block_size, len - t0); i < n; ++i)
-          offsets[t0 + i] = (table[blk] * block_size + i) * token_stride + first_head * HD;
+      row_offsets(block_table + b * table_width, len, block_size, token_stride, first_head * HD, offsets);
       const int64_t padded = (len + 15) / 16 * 16;
       scores.resize(G * padded);
       const __m512 vscale = _mm512_set1_ps(scale);
@@ -249,28 +248,25 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the cache
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    std::vector<int64_t> offsets;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / num_kv_heads, h = work % num_kv_heads;
       const int64_t len = seq_lens[b];
-      const int64_t* table = block_table + b * table_width;
+      row_offsets(block_table + b * table_width, len, block_size, token_stride, h * head_dim, offsets);
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* qrow = q + (b * num_heads + h * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(qrow[d]) * scale;
       }
       scores.resize(group * len);
       float* kf = row.data();
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {  // q·k, block by block, keys read in place
-        const scalar_t* base = k_cache + table[t0 / block_size] * block_size * token_stride + h * head_dim;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t* krow = base + i * token_stride;
-          for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(krow[d]);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * head_dim;
-            float dot = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kf[d];
-            scores[g * len + t0 + i] = dot;
-          }
+      for (int64_t t = 0; t < len; ++t) {  // q·k, keys read in place
+        const scalar_t* krow = k_cache + offsets[t];
+        for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(krow[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float dot = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kf[d];
+          scores[g * len + t] = dot;
         }
       }
       for (int64_t g = 0; g < group; ++g) {  // softmax
@@ -284,17 +280,13 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       float* vf = row.data();
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {  // Σ p·v
-        const scalar_t* base = v_cache + table[t0 / block_size] * block_size * token_stride + h * head_dim;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t* vrow = base + i * token_stride;
-          for (int64_t d = 0; d < head_dim; ++d) vf[d] = to_float(vrow[d]);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + t0 + i];
-            float* a = acc.data() + g * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vf[d];
-          }
+      for (int64_t t = 0; t < len; ++t) {  // Σ p·v
+        const scalar_t* vrow = v_cache + offsets[t];
+        for (int64_t d = 0; d < head_dim; ++d) vf[d] = to_float(vrow[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vf[d];
         }
       }
       for (int64_t g = 0; g < group; ++g) {
