@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.upstream import CUT, Reply, by_stream, split_every, sse
+from tests.upstream import CUT, Hold, Reply, by_stream, split_every, sse
 
 TOKENS = [(9, "Hello", -0.1), (10, " world", -0.2), (11, "!", -0.3)]
 TEXT = "Hello world!"
@@ -137,9 +137,12 @@ FAILURES = {
 }
 
 
-def openai_text_routes(text: str, *, first_delay: float = 0.0, gap: float = 0.0, status: int = 200) -> dict:
+def openai_text_routes(text: str, *, first_delay: float = 0.0, gap: float = 0.0, status: int = 200,
+                       hold: Hold | None = None, hold_after: int = 0) -> dict:
     """An OpenAI-compatible upstream that answers `text` (word by word when streaming), after
-    `first_delay` seconds and with `gap` seconds between chunks; or an error `status`."""
+    `first_delay` seconds and with `gap` seconds between chunks; or an error `status`. With `hold`,
+    each answer also waits there until the test opens it: after `hold_after` streamed words, or
+    before the whole answer."""
     words = [w if i == 0 else " " + w for i, w in enumerate(text.split(" "))]
     usage = {"prompt_tokens": 4, "completion_tokens": len(words), "total_tokens": 4 + len(words)}
 
@@ -147,6 +150,8 @@ def openai_text_routes(text: str, *, first_delay: float = 0.0, gap: float = 0.0,
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         pieces: list = [first_delay] if first_delay else []
         for i, w in enumerate(words):
+            if hold is not None and i == hold_after:
+                pieces.append(hold)
             body = {"delta": {"content": w}} if kind == "chat" else {"text": w}
             finish = "stop" if i == len(words) - 1 else None
             pieces.append(sse({"id": "x", "object": obj, "created": 1, "model": "m",
@@ -162,7 +167,8 @@ def openai_text_routes(text: str, *, first_delay: float = 0.0, gap: float = 0.0,
                   **({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})}
         body = json.dumps({"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice],
                            "usage": usage}).encode()
-        return Reply(([first_delay] if first_delay else []) + [body], 200, "application/json")
+        return Reply(([first_delay] if first_delay else []) + ([hold] if hold is not None else []) + [body], 200,
+                     "application/json")
 
     def reply(kind: str):  # noqa: ANN202
         if status != 200:

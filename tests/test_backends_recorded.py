@@ -4,7 +4,6 @@ real gateway process: both doors, streaming and not, the requests they send, and
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -14,8 +13,8 @@ import pytest
 
 from engine_core import LLMEngine, SamplingParams
 from tests.recordings import FAILURES, TEXT, tgi_routes, triton_ensemble_routes, triton_llmapi_routes, trtllm_routes
-from tests.server import running_gateway
-from tests.upstream import ScriptedUpstream, scripted_upstream
+from tests.server import CLIENT_TIMEOUT, START_TIMEOUT, WAIT, running_gateway, wait_until
+from tests.upstream import Recorded, ScriptedUpstream, scripted_upstream
 
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\\n{% endfor %}assistant:"
 REMOTE = {"tgi": ("tgi", tgi_routes, ""), "triton": ("triton", triton_ensemble_routes, 'dialect = "ensemble"\n'),
@@ -25,10 +24,12 @@ FAILURE_TYPES = {"tgi": "tgi", "triton": "triton", "trtllm": "openai", "vllm": "
                  "slow": "openai"}
 
 
-def backend_table(name: str, kind: str, url: str, extra: str) -> str:
+def backend_table(name: str, kind: str, url: str, extra: str, first_token_timeout: float = 2.0,
+                  idle_timeout: float = 1.0) -> str:
     template = f'chat_template = "{TEMPLATE}"\n' if kind == "triton" else ""
     return (f'[backends.{name}]\ntype = "{kind}"\nbase_url = "{url}"\n{extra}{template}'
-            f"first_token_timeout = 2.0\nidle_timeout = 1.0\n\n[models.m-{name}]\nbackend = \"{name}\"\n\n")
+            f"first_token_timeout = {first_token_timeout}\nidle_timeout = {idle_timeout}\n\n"
+            f'[models.m-{name}]\nbackend = "{name}"\n\n')
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +41,24 @@ def remote(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Iterat
                   'kv_cache_mb = 128\n\n[models.m-engine]\nbackend = "engine"\n\n')
         for name, (kind, routes, extra) in REMOTE.items():
             upstreams[name] = stack.enter_context(scripted_upstream(routes()))
-            config += backend_table(name, kind, upstreams[name].url, extra)
+            config += backend_table(name, kind, upstreams[name].url, extra, first_token_timeout=WAIT,
+                                    idle_timeout=WAIT)  # answering at once: no timeout to outlast
         for name, routes in FAILURES.items():
             upstreams[name] = stack.enter_context(scripted_upstream(routes))
             kind = FAILURE_TYPES[name.split("_")[0]]
             config += backend_table(name, kind, upstreams[name].url, 'model = "llama"\n' if kind == "openai" else "")
+        # the hang again, where neither gateway timeout can end it first: only a client that leaves does
+        upstreams["patient"] = stack.enter_context(scripted_upstream(FAILURES["hang"]))
+        config += backend_table("patient", "openai", upstreams["patient"].url, 'model = "llama"\n',
+                                first_token_timeout=WAIT, idle_timeout=WAIT)
         url = stack.enter_context(running_gateway(config, tmp_path_factory.mktemp("remote"), wait_healthy=False,
                                                   env={"TRT_KEY": "sk-upstream-secret"}))
-        for _ in range(300):  # the engine loads in the background; the recorded upstreams are up already
-            if httpx.post(f"{url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}}).status_code \
-                    == 200:
-                break
+
+        def engine_answers() -> bool:  # the engine loads in the background; the recorded upstreams are up already
+            body = {"inputs": "x", "parameters": {"max_new_tokens": 1}}
+            return httpx.post(f"{url}/generate", json=body, timeout=CLIENT_TIMEOUT).status_code == 200
+
+        wait_until(engine_answers, "the engine answers", timeout=START_TIMEOUT, interval=0.2)
         yield url, upstreams
 
 
@@ -65,10 +73,10 @@ def engine_chat(engine: LLMEngine, text: str, n: int) -> str:
 def tgi_door(url: str, model: str, stream: bool) -> str:
     body = {"inputs": "Hi", "parameters": {"max_new_tokens": 16}}
     if not stream:
-        r = httpx.post(f"{url}/models/{model}/generate", json=body)
+        r = httpx.post(f"{url}/models/{model}/generate", json=body, timeout=CLIENT_TIMEOUT)
         assert r.status_code == 200, r.text
         return r.json()["generated_text"]
-    raw = httpx.post(f"{url}/models/{model}/generate_stream", json=body).text
+    raw = httpx.post(f"{url}/models/{model}/generate_stream", json=body, timeout=CLIENT_TIMEOUT).text
     events = [json.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: ")]
     assert [e["index"] for e in events] == list(range(1, len(events) + 1)) and "error" not in events[-1]
     return events[-1]["generated_text"]
@@ -77,7 +85,7 @@ def tgi_door(url: str, model: str, stream: bool) -> str:
 def openai_door(url: str, model: str, stream: bool) -> str:
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0,
             "stream": stream}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT)
     assert r.status_code == 200, r.text
     if not stream:
         return r.json()["choices"][0]["message"]["content"]
@@ -107,14 +115,14 @@ def test_matrix_every_door_reaches_every_backend(remote: tuple[str, dict], engin
 def test_tgi_upstream_gets_only_what_tgi_accepts(remote: tuple[str, dict]) -> None:
     url, upstreams = remote
     httpx.post(f"{url}/v1/completions", json={"model": "m-tgi", "prompt": "Hi", "temperature": 0, "top_p": 1.0,
-                                              "max_tokens": 5, "stop": "x"})
+                                              "max_tokens": 5, "stop": "x"}, timeout=CLIENT_TIMEOUT)
     sent = upstreams["tgi"].sent("/generate_stream")[-1]
     assert sent["inputs"] == "Hi" and sent["parameters"]["do_sample"] is False
     for key in ("temperature", "top_p", "top_k", "typical_p"):
         assert key not in sent["parameters"]
     assert sent["parameters"]["stop"] == ["x"] and sent["parameters"]["max_new_tokens"] == 5
     httpx.post(f"{url}/models/m-tgi/generate", json={"inputs": "Hi", "parameters": {
-        "do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9}})
+        "do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9}}, timeout=CLIENT_TIMEOUT)
     sampled = upstreams["tgi"].sent("/generate_stream")[-1]["parameters"]
     assert (sampled["temperature"], sampled["top_k"], sampled["top_p"], sampled["do_sample"]) == (0.7, 5, 0.9, True)
 
@@ -144,7 +152,8 @@ TRTLLM_FIELDS = {"model", "messages", "prompt", "max_tokens", "temperature", "to
 def test_trtllm_upstream_gets_no_unknown_fields(remote: tuple[str, dict]) -> None:
     url, upstreams = remote
     httpx.post(f"{url}/v1/chat/completions", json={"model": "m-trtllm", "user": "u1", "top_k": 3, "seed": 1,
-                                                   "messages": [{"role": "user", "content": "Hi"}]})
+                                                   "messages": [{"role": "user", "content": "Hi"}]},
+               timeout=CLIENT_TIMEOUT)
     sent = upstreams["trtllm"].sent("/v1/chat/completions")[-1]
     assert set(sent) <= TRTLLM_FIELDS and sent["model"] == "llama" and sent["top_k"] == 3
     # trtllm-serve refuses stream_options without stream: a whole answer is asked for without it
@@ -152,7 +161,8 @@ def test_trtllm_upstream_gets_no_unknown_fields(remote: tuple[str, dict]) -> Non
     assert sent["messages"] == [{"role": "user", "content": "Hi"}]  # chat passes through as messages
     assert all(v is not None for v in sent.values())
     httpx.post(f"{url}/v1/chat/completions", json={"model": "m-trtllm", "stream": True,
-                                                   "messages": [{"role": "user", "content": "Hi"}]})
+                                                   "messages": [{"role": "user", "content": "Hi"}]},
+               timeout=CLIENT_TIMEOUT)
     streamed = upstreams["trtllm"].sent("/v1/chat/completions")[-1]
     assert set(streamed) <= TRTLLM_FIELDS
     assert streamed["stream"] is True and streamed["stream_options"] == {"include_usage": True}
@@ -161,29 +171,32 @@ def test_trtllm_upstream_gets_no_unknown_fields(remote: tuple[str, dict]) -> Non
 def test_usage_and_finish_come_from_the_upstream(remote: tuple[str, dict]) -> None:
     url, _ = remote
     chat = httpx.post(f"{url}/v1/chat/completions", json={"model": "m-trtllm", "messages": [
-        {"role": "user", "content": "Hi"}]}).json()
+        {"role": "user", "content": "Hi"}]}, timeout=CLIENT_TIMEOUT).json()
     assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
     assert chat["choices"][0]["finish_reason"] == "stop"
     details = httpx.post(f"{url}/models/m-tgi/generate", json={"inputs": "Hi", "parameters": {
-        "details": True}}).json()["details"]
+        "details": True}}, timeout=CLIENT_TIMEOUT).json()["details"]
     assert details["finish_reason"] == "length" and [t["id"] for t in details["tokens"]] == [9, 10, 11]
-    llm = httpx.post(f"{url}/models/m-llmapi/generate", json={"inputs": "Hi", "parameters": {"details": True}}).json()
+    llm = httpx.post(f"{url}/models/m-llmapi/generate", json={"inputs": "Hi", "parameters": {"details": True}},
+                     timeout=CLIENT_TIMEOUT).json()
     assert llm["details"]["finish_reason"] == "length"  # the LLM-API model reports it
 
 
 def test_api_key_comes_from_the_environment_and_the_clients_own_is_not_forwarded(remote: tuple[str, dict]) -> None:
     url, upstreams = remote
     httpx.post(f"{url}/v1/chat/completions", headers={"authorization": "Bearer client-key"},
-               json={"model": "m-trtllm", "messages": [{"role": "user", "content": "Hi"}]})
+               json={"model": "m-trtllm", "messages": [{"role": "user", "content": "Hi"}]}, timeout=CLIENT_TIMEOUT)
     assert upstreams["trtllm"].requests[-1].headers["authorization"] == "Bearer sk-upstream-secret"
-    httpx.post(f"{url}/models/m-tgi/generate", headers={"authorization": "Bearer client-key"}, json={"inputs": "Hi"})
+    httpx.post(f"{url}/models/m-tgi/generate", headers={"authorization": "Bearer client-key"}, json={"inputs": "Hi"},
+               timeout=CLIENT_TIMEOUT)
     assert "authorization" not in upstreams["tgi"].requests[-1].headers
 
 
 def test_traceparent_is_forwarded_upstream(remote: tuple[str, dict]) -> None:
     url, upstreams = remote
     trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    httpx.post(f"{url}/models/m-tgi/generate", json={"inputs": "Hi"}, headers={"traceparent": trace})
+    httpx.post(f"{url}/models/m-tgi/generate", json={"inputs": "Hi"}, headers={"traceparent": trace},
+               timeout=CLIENT_TIMEOUT)
     assert upstreams["tgi"].requests[-1].headers["traceparent"] == trace
 
 
@@ -209,12 +222,12 @@ def test_upstream_failures_become_the_doors_own_errors(remote: tuple[str, dict],
                                                        status: int, needle: str) -> None:
     url, _ = remote
     if door == "tgi":
-        r = httpx.post(f"{url}/models/m-{name}/generate", json={"inputs": "Hi"}, timeout=30)
+        r = httpx.post(f"{url}/models/m-{name}/generate", json={"inputs": "Hi"}, timeout=CLIENT_TIMEOUT)
         assert set(r.json()) == {"error", "error_type"}
         message = r.json()["error"]
     else:
         body = {"model": f"m-{name}", "messages": [{"role": "user", "content": "Hi"}]}
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         message = r.json()["error"]["message"]
     assert r.status_code == status and needle in message, r.text
@@ -227,12 +240,12 @@ def test_errors_after_the_first_token_end_the_stream_with_an_error_event(remote:
                                                                          door: str, needle: str) -> None:
     url, _ = remote
     if door == "tgi":
-        raw = httpx.post(f"{url}/models/m-{name}/generate_stream", json={"inputs": "Hi"}, timeout=30).text
+        raw = httpx.post(f"{url}/models/m-{name}/generate_stream", json={"inputs": "Hi"}, timeout=CLIENT_TIMEOUT).text
         events = [json.loads(p[6:]) for p in raw.split("\n\n") if p.startswith("data: ")]
         assert set(events[-1]) == {"error", "error_type"} and all("token" in e for e in events[:-1])
         assert needle in events[-1]["error"] and len(events) >= 2
     else:
-        raw = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        raw = httpx.post(f"{url}/v1/chat/completions", timeout=CLIENT_TIMEOUT, json={
             "model": f"m-{name}", "stream": True, "messages": [{"role": "user", "content": "Hi"}]}).text
         payloads = [p[6:] for p in raw.split("\n\n") if p.startswith("data: ")]
         error = json.loads(payloads[-2])["error"]
@@ -240,30 +253,32 @@ def test_errors_after_the_first_token_end_the_stream_with_an_error_event(remote:
         assert needle in error["message"]
 
 
+def last_chat(upstream: ScriptedUpstream) -> Recorded:
+    return [q for q in upstream.requests if q.path == "/v1/chat/completions"][-1]
+
+
 def test_client_going_away_closes_the_upstream_request(remote: tuple[str, dict]) -> None:
+    """By order, not by the clock: the backend's timeouts are far out of reach, and the upstream would
+    go on for 30 s; the upstream request is closed because the client left."""
     url, upstreams = remote
-    hang = upstreams["hang"]
+    hang: ScriptedUpstream = upstreams["patient"]
     before = hang.broken_writes
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={
-            "model": "m-hang", "stream": True, "messages": [{"role": "user", "content": "Hi"}]}) as r:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=CLIENT_TIMEOUT, json={
+            "model": "m-patient", "stream": True, "messages": [{"role": "user", "content": "Hi"}]}) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # one event, then hang up
-    # the gateway drops its upstream connection at once: the upstream sees it on its next keep-alive
-    deadline = time.monotonic() + 0.8  # well inside the 1 s idle timeout that would close it anyway
-    while hang.broken_writes == before and time.monotonic() < deadline:
-        time.sleep(0.02)
+    # the gateway drops its upstream connection: the upstream sees it at its next keep-alive
+    wait_until(lambda: hang.broken_writes > before or last_chat(hang).answered, "the upstream request closed")
     assert hang.broken_writes == before + 1
 
 
 def test_client_going_away_cancels_a_non_streaming_request_upstream(remote: tuple[str, dict]) -> None:
     url, upstreams = remote
-    hang = upstreams["hang"]
+    hang: ScriptedUpstream = upstreams["patient"]
     before = hang.broken_writes
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.3 s and hangs up
-        httpx.post(f"{url}/v1/chat/completions", timeout=0.3,
-                   json={"model": "m-hang", "messages": [{"role": "user", "content": "Hi"}]})
-    deadline = time.monotonic() + 1.2  # before the gateway's own 2 s first-token timeout would close it
-    while hang.broken_writes == before and time.monotonic() < deadline:
-        time.sleep(0.02)
+    with pytest.raises(httpx.ReadTimeout):  # the client waits 0.3 s for the answer, then hangs up
+        httpx.post(f"{url}/v1/chat/completions", timeout=httpx.Timeout(CLIENT_TIMEOUT, read=0.3),
+                   json={"model": "m-patient", "messages": [{"role": "user", "content": "Hi"}]})
+    wait_until(lambda: hang.broken_writes > before or last_chat(hang).answered, "the upstream request closed")
     assert hang.broken_writes == before + 1

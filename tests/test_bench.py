@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from llmgw_bench.api import RequestResult
 from llmgw_bench.metrics import parse_slo, summarize
 from llmgw_bench.runner import arrival_times
 from llmgw_bench.workload import local_counter, random_samples
-from tests.server import PROCESSES, ROOT
+from tests.server import PROCESSES, ROOT, WAIT
 from tests.upstream import CUT, Reply, scripted_upstream, sse
 
 FIRST, GAP, TOKENS = 0.25, 0.03, 12  # the scripted server: first token after FIRST s, then one every GAP s
@@ -23,7 +25,7 @@ FIRST, GAP, TOKENS = 0.25, 0.03, 12  # the scripted server: first token after FI
 
 def llmgw_bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gateway", "bench", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+                          cwd=ROOT, timeout=5 * WAIT)
 
 
 def timed_stream(api: str) -> Reply:
@@ -52,31 +54,59 @@ ROUTES = {("POST", "/v1/chat/completions"): timed_stream("openai-chat"),
           ("POST", "/generate_stream"): timed_stream("tgi")}
 
 
+def most_at_once(requests: list[dict[str, Any]]) -> int:
+    """The most requests in flight at one moment, from each one's start and latency."""
+    events = sorted([(r["start"] + r["latency"], -1) for r in requests] + [(r["start"], 1) for r in requests])
+    return max(itertools.accumulate(change for _, change in events))
+
+
 @pytest.mark.parametrize("api", ["openai-chat", "openai-completions", "tgi"])
 def test_reported_timings_match_a_scripted_server(api: str, smollm_dir: Path, tmp_path: Path) -> None:
+    """By order and count, not against the clock (sleeps overshoot on a busy machine, by any amount):
+    no figure is shorter than what the scripted server itself took, every request lies within the run,
+    at most four at once, and the figures agree with one another."""
     out = tmp_path / "result.json"
     with scripted_upstream(ROUTES) as upstream:
+        began = time.perf_counter()
         done = llmgw_bench("--url", upstream.url, "--api", api, "--model", "m", "--tokenizer", str(smollm_dir),
                            "--input-len", "20", "--output-len", str(TOKENS), "--num-requests", "12",
                            "--concurrency", "4", "--warmup", "0", "--no-metrics", "--no-plots", "--no-progress",
                            "--output", str(out))
+        wall = time.perf_counter() - began
         assert done.returncode == 0, done.stderr
         assert len(upstream.requests) == 12
+        served = upstream.requests
     run = json.loads(out.read_text())["runs"][0]
-    summary = run["summary"]
+    summary, requests = run["summary"], run["requests"]
     assert summary["completed"] == 12 and summary["errors"] == {}
-    assert {(r["output_tokens"], r["output_tokens_from"]) for r in run["requests"]} == {
+    assert {(r["output_tokens"], r["output_tokens_from"]) for r in requests} == {
         (TOKENS, "details" if api == "tgi" else "usage")}
-    # sleeps overshoot and the machine is shared: late by a little, never early
-    assert FIRST <= summary["ttft_s"]["p50"] < FIRST + 0.1
-    assert GAP <= summary["tpot_s"]["mean"] < GAP * 1.5
-    assert GAP * 0.9 <= summary["itl_s"]["p50"] < GAP + 0.015
-    assert len([gap for r in run["requests"] for gap in r["itl"]]) == 12 * (TOKENS - 1)  # ITL pools every gap
-    expected_e2el = FIRST + (TOKENS - 1) * GAP
-    assert expected_e2el <= summary["e2el_s"]["p50"] < expected_e2el * 1.3
-    # three rounds of four requests, each round one E2EL long
-    expected_rate = 12 * TOKENS / (3 * expected_e2el)
-    assert expected_rate * 0.7 < summary["output_throughput"] <= expected_rate * 1.02
+    # the server's own record of each request: read, then its first and last token written. A client can
+    # see neither token before it was written: matched in order of size, no figure is shorter
+    server_ttft = sorted(r.sent_at[0] - r.received_at for r in served)
+    server_e2el = sorted(r.sent_at[TOKENS - 1] - r.received_at for r in served)
+    assert all(ours >= theirs for ours, theirs in zip(sorted(r["ttft"] for r in requests), server_ttft, strict=True))
+    assert all(ours >= theirs for ours, theirs in zip(sorted(r["latency"] for r in requests), server_e2el,
+                                                      strict=True))
+    # every request within the run, which the bench's process outlasted; four workers, so four at once at most
+    assert summary["duration_s"] <= wall
+    for r in requests:
+        assert 0 <= r["start"] and 0 < r["ttft"] <= r["latency"]
+        assert r["start"] + r["latency"] <= summary["duration_s"] + 1e-9
+    assert most_at_once(requests) <= 4
+    assert sum(r["latency"] for r in requests) <= 4 * summary["duration_s"] + 1e-9
+    # the figures agree: TTFT and the gaps make the latency; TPOT and ITL are their means
+    for r in requests:
+        assert len(r["itl"]) == TOKENS - 1 and r["ttft"] + sum(r["itl"]) == pytest.approx(r["latency"])
+    gaps = [gap for r in requests for gap in r["itl"]]
+    assert len(gaps) == 12 * (TOKENS - 1)  # ITL pools every gap
+    assert summary["itl_s"]["mean"] == pytest.approx(sum(gaps) / len(gaps))
+    assert summary["tpot_s"]["mean"] == pytest.approx(sum((r["latency"] - r["ttft"]) / (TOKENS - 1)
+                                                          for r in requests) / 12)
+    for name, key in (("ttft_s", "ttft"), ("e2el_s", "latency")):
+        values = [r[key] for r in requests]
+        assert min(values) <= summary[name]["p50"] <= max(values)
+        assert summary[name]["mean"] == pytest.approx(sum(values) / 12)
     assert summary["output_throughput"] == pytest.approx(12 * TOKENS / summary["duration_s"])
 
 
@@ -127,7 +157,7 @@ def test_gateway_run_counts_tokens_as_the_server_does(gateway_url: str, tmp_path
         assert run["summary"]["total_output_tokens"] == 6 * 8
         samples = run["resources"]["samples"]
         assert samples and all(s["cpu_percent"] >= 0 and s["rss_mb"] > 100 for s in samples)
-        assert {"kv_cache_usage", "running", "waiting"} <= set(samples[-1])
+        assert any({"kv_cache_usage", "running", "waiting"} <= set(s) for s in samples)  # the server's gauges
     plots = tmp_path / "engine-plots"
     for name in ("latency_cdf.png", "sweep.png", "resources.png"):
         image = matplotlib.image.imread(plots / name)

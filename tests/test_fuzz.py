@@ -16,7 +16,7 @@ from schemathesis import GenerationMode
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from tests.server import running_gateway
+from tests.server import CLIENT_TIMEOUT, running_gateway
 
 EXAMPLES = int(os.environ.get("LLMGW_FUZZ_EXAMPLES", "50"))
 
@@ -70,7 +70,7 @@ def test_no_route_answers_5xx_and_errors_keep_the_protocol_shape(fuzz_url: str, 
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     def check(case: schemathesis.Case) -> None:
-        response = case.call(base_url=fuzz_url, timeout=60)
+        response = case.call(base_url=fuzz_url, timeout=CLIENT_TIMEOUT)
         assert response.status_code < 500 or (response.status_code == 503 and case.path == "/health"), \
             f"{label}: {response.status_code} {response.text[:500]}"
         if response.status_code < 400:

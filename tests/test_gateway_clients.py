@@ -9,13 +9,14 @@ from huggingface_hub import InferenceClient
 from openai import OpenAI
 
 from engine_core import LLMEngine, SamplingParams
+from tests.server import CLIENT_TIMEOUT
 
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
 def openai_client(gateway_url: str) -> OpenAI:
-    return OpenAI(base_url=f"{gateway_url}/v1", api_key="unused")
+    return OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", timeout=CLIENT_TIMEOUT)
 
 
 def engine_greedy(engine: LLMEngine, prompt: str | list[int], n: int) -> str:
@@ -90,7 +91,7 @@ def test_openai_stop_string_is_cut(openai_client: OpenAI, engine_fp32: LLMEngine
 
 
 def test_inference_client_text_generation_with_details(gateway_url: str, engine_fp32: LLMEngine) -> None:
-    client = InferenceClient(model=gateway_url)
+    client = InferenceClient(model=gateway_url, timeout=CLIENT_TIMEOUT)
     prompt = "The capital of France is"
     out = client.text_generation(prompt, max_new_tokens=10, details=True, decoder_input_details=True,
                                  top_n_tokens=2, return_full_text=False)
@@ -105,7 +106,7 @@ def test_inference_client_text_generation_with_details(gateway_url: str, engine_
 
 
 def test_inference_client_text_generation_stream(gateway_url: str, engine_fp32: LLMEngine) -> None:
-    client = InferenceClient(model=gateway_url)
+    client = InferenceClient(model=gateway_url, timeout=CLIENT_TIMEOUT)
     prompt = "The capital of France is"
     events = list(client.text_generation(prompt, max_new_tokens=10, stream=True, details=True,
                                          return_full_text=False))
@@ -117,7 +118,7 @@ def test_inference_client_text_generation_stream(gateway_url: str, engine_fp32: 
 
 
 def test_inference_client_chat_completion(gateway_url: str, engine_fp32: LLMEngine) -> None:
-    client = InferenceClient(base_url=gateway_url)
+    client = InferenceClient(base_url=gateway_url, timeout=CLIENT_TIMEOUT)
     out = client.chat_completion(messages=[{"role": "user", "content": QUESTION}], model="smollm2", max_tokens=30,
                                  temperature=0)
     assert out.choices[0].message.content == engine_greedy(engine_fp32, chat_prompt(engine_fp32, QUESTION), 30)
@@ -129,12 +130,13 @@ def test_inference_client_chat_completion(gateway_url: str, engine_fp32: LLMEngi
 def test_tgi_compat_route_and_per_model_mount(gateway_url: str, engine_fp32: LLMEngine) -> None:
     prompt = "The capital of France is"
     expected = engine_greedy(engine_fp32, prompt, 6)
-    listed = httpx.post(gateway_url + "/", json={"inputs": prompt, "parameters": {"max_new_tokens": 6}}).json()
+    listed = httpx.post(gateway_url + "/", json={"inputs": prompt, "parameters": {"max_new_tokens": 6}},
+                        timeout=CLIENT_TIMEOUT).json()
     assert listed == [{"generated_text": prompt + expected}]  # POST / defaults to return_full_text
     mounted = httpx.post(f"{gateway_url}/models/SmolLM2-135M-Instruct/generate",
-                         json={"inputs": prompt, "parameters": {"max_new_tokens": 6}})
+                         json={"inputs": prompt, "parameters": {"max_new_tokens": 6}}, timeout=CLIENT_TIMEOUT)
     assert mounted.json() == {"generated_text": expected}
-    missing = httpx.post(f"{gateway_url}/models/nope/generate", json={"inputs": prompt})
+    missing = httpx.post(f"{gateway_url}/models/nope/generate", json={"inputs": prompt}, timeout=CLIENT_TIMEOUT)
     assert missing.status_code == 404 and missing.json()["error_type"] == "model_not_found"
 
 
@@ -143,7 +145,7 @@ def test_stop_sequence_finish_keeps_tgi_text(gateway_url: str, engine_fp32: LLME
     full = engine_greedy(engine_fp32, prompt, 10)
     stop = full[3:6]
     body = httpx.post(f"{gateway_url}/generate", json={"inputs": prompt, "parameters": {
-        "max_new_tokens": 10, "stop": [stop], "details": True}}).json()
+        "max_new_tokens": 10, "stop": [stop], "details": True}}, timeout=CLIENT_TIMEOUT).json()
     assert body["details"]["finish_reason"] == "stop_sequence"
     assert body["generated_text"] == full[: full.index(stop)] + stop  # TGI keeps the stop sequence
 
@@ -151,16 +153,16 @@ def test_stop_sequence_finish_keeps_tgi_text(gateway_url: str, engine_fp32: LLME
 def test_sampling_with_seed_is_repeatable(gateway_url: str) -> None:
     body = {"inputs": "Write a word:", "parameters": {"do_sample": True, "seed": 42, "max_new_tokens": 8,
                                                       "details": True, "temperature": 0.9}}
-    a = httpx.post(f"{gateway_url}/generate", json=body).json()
-    b = httpx.post(f"{gateway_url}/generate", json=body).json()
+    a = httpx.post(f"{gateway_url}/generate", json=body, timeout=CLIENT_TIMEOUT).json()
+    b = httpx.post(f"{gateway_url}/generate", json=body, timeout=CLIENT_TIMEOUT).json()
     assert a == b and a["details"]["seed"] == 42
-    no_params = httpx.post(f"{gateway_url}/generate", json={"inputs": "Write a word:"}).json()
+    no_params = httpx.post(f"{gateway_url}/generate", json={"inputs": "Write a word:"}, timeout=CLIENT_TIMEOUT).json()
     assert isinstance(no_params["generated_text"], str)  # absent parameters: TGI's defaults (sampling)
 
 
 def test_best_of_returns_the_best_and_the_others(gateway_url: str) -> None:
     body = {"inputs": "Hello", "parameters": {"best_of": 2, "do_sample": True, "max_new_tokens": 4, "details": True}}
-    out = httpx.post(f"{gateway_url}/generate", json=body).json()
+    out = httpx.post(f"{gateway_url}/generate", json=body, timeout=CLIENT_TIMEOUT).json()
     best = sum(t["logprob"] for t in out["details"]["tokens"])
     [other] = out["details"]["best_of_sequences"]
     assert best >= sum(t["logprob"] for t in other["tokens"])

@@ -7,15 +7,18 @@ import math
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import gateway.health
 from backends.registry import register_backend
 from gateway.config import ConfigError, parse_config
 from gateway.health import HealthTracker
 from gateway.router import Router
 from gateway.state import Gateway
 from tests.plugin.echo_backend import EchoBackend
+from tests.server import WAIT
 
 register_backend(EchoBackend)  # type: ignore[arg-type]
 
@@ -64,17 +67,21 @@ def test_fallback_tiers_follow_the_chosen_backend() -> None:
     assert [name for name, _ in route.tiers] == [route.backend_name, "spare"]
 
 
-def test_consecutive_failures_eject_a_backend_until_the_cooldown_ends() -> None:
-    r = router(cooldown=0.3)
+def test_consecutive_failures_eject_a_backend_until_the_cooldown_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]  # the tracker's clock, moved on by the test: however slow the machine, no time passes
+    monkeypatch.setattr(gateway.health, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    r = router(cooldown=30.0)
     for _ in range(3):
         r.health.record_failure("old")
     assert {r.require("llama").backend_name for _ in range(200)} == {"new"}
     assert r.health.describe("old") == "ejected"
-    time.sleep(0.35)
+    now[0] += 29.9
+    assert r.health.describe("old") == "ejected"
+    now[0] += 0.1
     assert "old" in {r.require("llama").backend_name for _ in range(200)}
     r.health.record_failure("old")  # half-open: one more failure ejects it again at once
     assert not r.health.available("old")
-    time.sleep(0.35)
+    now[0] += 30.0
     r.health.record_success("old")  # a success closes the circuit
     r.health.record_failure("old")
     assert r.health.available("old")
@@ -113,7 +120,10 @@ def test_reload_keeps_unchanged_backends_replaces_changed_ones_and_refuses_bad_f
     async def scenario() -> None:
         gw = Gateway(parse_config(base, str(path)), config_path=path)
         gw.start_backends()
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + WAIT
+        while not all(gw.started.get(id(b)) for b in gw.backends.values()):
+            assert time.monotonic() < deadline, "the backends never started"
+            await asyncio.sleep(0.01)
         kept, replaced = gw.backends["engine-like"], gw.backends["remote"]
         version = gw.config.version
         path.write_text(base.replace('[backends.remote]\ntype = "echo-test"\n',

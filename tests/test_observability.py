@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server import ENGINE_CONFIG, running_gateway
+from tests.server import CLIENT_TIMEOUT, ENGINE_CONFIG, running_gateway
 
 MARKER = "zebra-marker-42"
 
@@ -24,22 +24,22 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
         sent = {"prompt_tokens": 0}
         for _ in range(3):
             r = httpx.post(f"{url}/generate", json={"inputs": f"Tell me about {MARKER}",
-                                                    "parameters": {"max_new_tokens": 4}})
+                                                    "parameters": {"max_new_tokens": 4}}, timeout=CLIENT_TIMEOUT)
             sent["prompt_tokens"] += int(r.headers["x-prompt-tokens"])
             sent["request_id"] = r.headers["x-request-id"]
         for _ in range(2):
             raw = httpx.post(f"{url}/v1/chat/completions", json={
                 "model": "smollm2", "max_tokens": 3, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": f"Say {MARKER}"}]}).text
+                "messages": [{"role": "user", "content": f"Say {MARKER}"}]}, timeout=CLIENT_TIMEOUT).text
             usage = [json.loads(p[6:]) for p in raw.split("\n\n") if p.startswith("data: {")][-1]["usage"]
             sent["prompt_tokens"] += usage["prompt_tokens"]
-        httpx.post(f"{url}/generate", json={"inputs": "x", "parameters": {"top_k": 0}})  # a 422
+        httpx.post(f"{url}/generate", json={"inputs": "x", "parameters": {"top_k": 0}}, timeout=CLIENT_TIMEOUT)  # a 422
         tagged = httpx.post(f"{url}/generate", headers={"x-request-id": "client-id-7"},
-                            json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+                            json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=CLIENT_TIMEOUT)
         sent["prompt_tokens"] += int(tagged.headers["x-prompt-tokens"])
         sent["tagged_header"] = tagged.headers["x-request-id"]
-        metrics = httpx.get(f"{url}/metrics")
+        metrics = httpx.get(f"{url}/metrics", timeout=CLIENT_TIMEOUT)
         yield metrics.text, tmp / "server.log", sent
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.sse import SSEParser, iter_sse
@@ -32,7 +32,7 @@ def test_one_byte_at_a_time() -> None:
     assert parse([STREAM[i:i + 1] for i in range(len(STREAM))]) == EXPECTED
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=20))
 def test_any_split_gives_the_same_events(cuts: list[int]) -> None:
     points = [0, *sorted(cuts), len(STREAM)]

@@ -4,6 +4,7 @@ id carried from the client's traceparent through to a remote backend."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from litestar.testing import AsyncTestClient
@@ -14,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from gateway.app import create_app
 from gateway.config import parse_config
 from tests.recordings import openai_text_routes
+from tests.server import START_TIMEOUT
 from tests.upstream import scripted_upstream
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -45,9 +47,9 @@ backend = "remote"
 """)
         app = create_app(config, tracer_provider=provider)
         async with AsyncTestClient(app) as client:
-            for _ in range(300):
-                if (await client.get("/health")).status_code == 200:
-                    break
+            deadline = time.monotonic() + START_TIMEOUT  # the engine loads (the first time, converts) meanwhile
+            while (await client.get("/health")).status_code != 200:
+                assert time.monotonic() < deadline, "the engine never became healthy"
                 await asyncio.sleep(0.1)
             exporter.clear()
             r = await client.post("/v1/chat/completions", headers={"traceparent": TRACEPARENT}, json={

@@ -1,8 +1,10 @@
 """A local HTTP server that replays recorded upstream traffic byte for byte.
 
 Each route answers with a scripted status, headers and body pieces; a piece is bytes to write
-(as its own chunk, so events can be split across reads anywhere), a float to sleep, or CUT to
-drop the connection mid-stream. Every request is recorded for assertions on what was sent.
+(as its own chunk, so events can be split across reads anywhere), a float to sleep, a Hold to wait
+at until the test opens it, or CUT to drop the connection mid-stream. Every request is recorded for
+assertions on what was sent, with when it arrived, when each chunk went out and whether the whole
+answer did (the upstream's own clock: for ordering events, never for timing the gateway).
 """
 
 from __future__ import annotations
@@ -20,6 +22,29 @@ from typing import Any
 CUT = object()
 
 
+class Hold:
+    """A point in a scripted answer where the upstream waits until the test opens it: the test, not
+    a sleep that a slow machine might outlast, decides when the answer goes on."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self.waiting = 0  # answers waiting here now
+
+    def open(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    async def wait(self) -> None:
+        self.waiting += 1
+        try:
+            while not self._open.is_set():
+                await asyncio.sleep(0.01)
+        finally:
+            self.waiting -= 1
+
+
 @dataclass
 class Reply:
     pieces: list[Any]
@@ -33,6 +58,9 @@ class Recorded:
     path: str
     headers: dict[str, str]
     body: bytes
+    received_at: float = 0.0  # time.perf_counter() when the request was read
+    sent_at: list[float] = field(default_factory=list)  # just before each body chunk was written
+    answered: bool = False  # the whole answer was written
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -52,10 +80,17 @@ class ScriptedUpstream:
         return f"http://127.0.0.1:{self.port}"
 
     def close(self) -> None:
-        """Stop listening: from now on connections to this port are refused."""
+        """Stop listening: once this returns, connections to this port are refused."""
         if self.server is not None and self.loop is not None:
-            self.loop.call_soon_threadsafe(self.server.close)
-            time.sleep(0.2)
+            closed = threading.Event()
+
+            def stop() -> None:
+                assert self.server is not None
+                self.server.close()  # closes the listening sockets at once
+                closed.set()
+
+            self.loop.call_soon_threadsafe(stop)
+            assert closed.wait(60), "the upstream's event loop did not run"
 
     def sent(self, path: str) -> list[Any]:
         return [r.json() for r in self.requests if r.path == path]
@@ -67,7 +102,8 @@ class ScriptedUpstream:
             method, path, _ = lines[0].split(" ", 2)
             headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
             body = await reader.readexactly(int(headers.get("content-length", "0")))
-            self.requests.append(Recorded(method, path, headers, body))
+            recorded = Recorded(method, path, headers, body, received_at=time.perf_counter())
+            self.requests.append(recorded)
             reply = self.routes.get((method, path)) or Reply([b'{"error":"no such route"}'], 404, "application/json")
             if callable(reply):
                 reply = reply(json.loads(body) if body else {})
@@ -81,12 +117,17 @@ class ScriptedUpstream:
                 if isinstance(piece, float):
                     await asyncio.sleep(piece)
                     continue
+                if isinstance(piece, Hold):
+                    await piece.wait()
+                    continue
                 if writer.is_closing() or reader.at_eof():
                     raise ConnectionResetError
+                recorded.sent_at.append(time.perf_counter())
                 writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                 await writer.drain()
             writer.write(b"0\r\n\r\n")
             await writer.drain()
+            recorded.answered = True
         except ConnectionError:
             self.broken_writes += 1
         except asyncio.IncompleteReadError:

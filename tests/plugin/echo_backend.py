@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import ClassVar
 
 import msgspec
@@ -19,6 +20,7 @@ class EchoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     start_delay: float = 0.0
     accepts_chat: bool = False
     fail_start: bool = False  # a backend that never comes up
+    start_gate: str = ""  # a file: the start ends only once it exists (a test, not a delay, decides when)
 
 
 class EchoBackend:
@@ -32,6 +34,8 @@ class EchoBackend:
 
     async def start(self) -> None:
         await asyncio.sleep(self.settings.start_delay)
+        while self.settings.start_gate and not Path(self.settings.start_gate).exists():
+            await asyncio.sleep(0.02)
         if self.settings.fail_start:
             raise ConnectionError("echo backend configured never to start")
         self.ready = True
