@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -18,11 +18,59 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"
+    TOOL_CALLS = "tool_calls"  # a remote backend that parses tool calls said so (OpenAI's `tool_calls`)
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+class OutputConstraint(msgspec.Struct, frozen=True, kw_only=True):
+    """What the output must match, whichever door asked for it (OpenAI `response_format`, vLLM
+    `structured_outputs` / `guided_*`, TGI `grammar`, a forced tool call). Exactly one of the value
+    fields is set, the one `kind` names; `json_object` needs none."""
+
+    kind: ConstraintKind
+    json_schema: dict[str, Any] | None = None
+    regex: str | None = None
+    choices: list[str] | None = None
+    grammar: str | None = None  # EBNF, in the engine's grammar library's dialect
+    name: str | None = None  # OpenAI json_schema.name, passed on where the upstream wants it
+    strict: bool | None = None
+
+
+class ToolFunction(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object; None means no parameters
+    strict: bool | None = None
+
+
+class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
+    mode: Literal["none", "auto", "required", "function"]
+    function: str | None = None  # the forced function's name, when mode is "function"
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """A piece of a streamed tool call: the first for an index has id and name, the rest argument text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []  # on assistant messages
+    tool_call_id: str | None = None  # on tool messages
+    name: str | None = None
 
 
 class GenerationRequest(msgspec.Struct, kw_only=True):
@@ -51,6 +99,10 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     deadline: float | None = None  # time.monotonic() after which the request times out
     traceparent: str | None = None  # W3C trace context, forwarded to remote backends
     stream: bool = True  # whether the client streams; a remote backend may then skip upstream streaming
+    constraint: OutputConstraint | None = None  # enforced by the backend, or refused before generation
+    tools: list[ToolFunction] = []  # only for backends that take chat natively; else rendered by the gateway
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +137,7 @@ class TokenEvent(msgspec.Struct, kw_only=True):
     seed: int | None = None
     prompt_tokens: list[TokenLogprob] | None = None  # on the first event, when prompt_logprobs was asked
     queue_seconds: float | None = None  # on the first event, where the backend knows it
+    tool_calls: list[ToolCallDelta] = []  # from a backend that parses tool calls itself (a remote OpenAI server)
 
     @property
     def finished(self) -> bool:
@@ -107,6 +160,8 @@ class BackendInfo(msgspec.Struct, frozen=True, kw_only=True):
     eos_token: str | None = None
     accepts_chat_messages: bool = False  # True: send messages; False: the gateway renders the template
     can_tokenize: bool = True
+    constraint_kinds: frozenset[str] = frozenset()  # the OutputConstraint kinds it enforces; others are refused
+    native_tools: bool = False  # takes `tools` itself and answers with tool_calls; else the gateway handles them
 
 
 # typed errors; each front door maps them to its own wire shape and status code

@@ -21,14 +21,16 @@ from backends.base import (
     Usage,
     describe,
 )
+from backends.engine_constraint import ENGINE_CONSTRAINT_KINDS, structured_outputs
 from engine_core import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, RequestError, SamplingParams
 from engine_core import TokenLogprob as EngineLogprob
+from engine_core.startup import StartupProgress
 
 
 class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     type: str = "engine"
     model: str = "embedded"  # "embedded", a local HF directory, or a hub id
-    dtype: str = "float32"
+    dtype: str = "auto"  # bf16 on CUDA and CPUs with native bf16 (AVX512-BF16, AMX), else float32
     kv_cache_mb: int = 512
     block_size: int = 16
     max_num_seqs: int = 64
@@ -40,6 +42,14 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when torch sees a GPU
     cuda_graphs: bool = True  # CUDA only: decode steps replayed from graphs captured per batch size
+
+    def describe(self) -> str:
+        """What `llmgw check-config` prints: the model and the dtype it would load, with the reason."""
+        try:
+            dtype, reason = self.engine_config().dtype_choice()
+        except ValueError as exc:
+            return f"model {self.model}; {exc}"
+        return f"model {self.model}, dtype {self.dtype} -> {str(dtype).removeprefix('torch.')} ({reason})"
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
@@ -59,10 +69,11 @@ class EngineBackend:
         self.settings = settings
         self.engine: AsyncEngine | None = None
         self.load_error: str | None = None
+        self.progress = StartupProgress()
 
     async def start(self) -> None:
         try:
-            llm = await asyncio.to_thread(LLMEngine, self.settings.engine_config())
+            llm = await asyncio.to_thread(LLMEngine, self.settings.engine_config(), self.progress)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
@@ -74,16 +85,32 @@ class EngineBackend:
             raise BackendUnavailableError(self.load_error or "the model is still loading")
         return self.engine.engine
 
+    def startup_step(self) -> str | None:
+        """What a starting engine is doing now (for /health), or None once it is up or has failed."""
+        current = self.progress.current()
+        if self.engine is not None or self.load_error is not None:
+            return None
+        return f"{current[0]} ({current[1]:.0f} s so far)" if current else "starting"
+
+    def dtype(self) -> tuple[str, str] | None:
+        """The weights' dtype and why, once loaded."""
+        if self.engine is None:
+            return None
+        llm = self.engine.engine
+        return str(llm.model.dtype).removeprefix("torch."), llm.dtype_reason
+
     async def health(self) -> bool:
         return self.engine is not None and self.engine.alive
 
     def info(self) -> BackendInfo:
         if self.engine is None:
-            return BackendInfo(backend_type=self.type_name, model_id=self.settings.model)
+            return BackendInfo(backend_type=self.type_name, model_id=self.settings.model,
+                               constraint_kinds=ENGINE_CONSTRAINT_KINDS)
         llm = self.engine.engine
         tok = llm.tokenizer
         return BackendInfo(backend_type=self.type_name, model_id=llm.model_dir.name, max_model_len=llm.max_model_len,
-                           chat_template=tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+                           chat_template=tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token,
+                           constraint_kinds=ENGINE_CONSTRAINT_KINDS)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
         encoding = self.llm.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
@@ -101,7 +128,7 @@ class EngineBackend:
             seed=request.seed, max_new_tokens=request.max_new_tokens, min_tokens=request.min_tokens,
             ignore_eos=request.ignore_eos, stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
             logprobs=request.top_logprobs if (request.logprobs or request.top_logprobs) else None,
-            prompt_logprobs=request.prompt_logprobs)
+            prompt_logprobs=request.prompt_logprobs, structured_outputs=structured_outputs(request.constraint))
         prompt: str | list[int] | None = request.prompt_token_ids or request.prompt
         if prompt is None:
             raise BackendValidationError("the engine backend needs a prompt; chat is rendered by the gateway")

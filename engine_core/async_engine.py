@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engine_core.engine import LLMEngine
+from engine_core.engine import LLMEngine, RequestError
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
 
@@ -52,6 +52,8 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         request_id = request_id or uuid.uuid4().hex
+        if params.structured_outputs is not None:
+            await self._precompile(params)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
@@ -72,6 +74,17 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def _precompile(self, params: SamplingParams) -> None:
+        """Compile the request's grammar in the compiler's thread before the step thread sees the request:
+        a new schema then never stalls the sequences already running, and a bad one is refused here,
+        before the request exists."""
+        assert params.structured_outputs is not None
+        try:
+            params.structured_outputs.validate()
+            await asyncio.wrap_future(self.engine.grammars.submit(params.structured_outputs))
+        except ValueError as exc:  # a GrammarError, or validate()'s: either way the request is refused
+            raise RequestError(str(exc)) from None
 
     def abort(self, request_id: str) -> None:
         asked = time.perf_counter()

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_core.cpu_features import cpu_features
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -13,7 +15,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "embedded"  # "embedded", a local HF directory, or a hub id
-    dtype: str = "float32"
+    # "auto": bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else float32: on an AVX2-only CPU
+    # torch's bf16 matmul is ~4x slower than fp32. Or force "float32", "bfloat16", "float16" (CUDA).
+    dtype: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024**2  # memory budget for the paged KV cache
     num_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)
@@ -22,9 +26,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = False
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    # "auto": Triton kernels on CUDA; on CPU the compiled paged-decode kernel for bf16/fp16 when it
-    # builds, else the torch reference. "torch": always the reference (fp32 on CPU always uses it: it
-    # is what the exactness tests check). "triton": the Triton kernels (on CPU only under TRITON_INTERPRET=1).
+    # "auto": Triton kernels on CUDA; on CPU the compiled paged-decode kernel (any dtype) when it builds,
+    # else the torch reference. "torch": always the reference. "triton": the Triton kernels (on CPU only
+    # under TRITON_INTERPRET=1).
     attention_backend: str = "auto"
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     cuda_graphs: bool = True  # decode steps replayed from graphs captured per batch-size bucket (CUDA only)
@@ -35,7 +39,22 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
-        try:
-            return _DTYPES[self.dtype]
-        except KeyError:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; use one of {sorted(_DTYPES)}") from None
+        return self.dtype_choice()[0]
+
+    def dtype_choice(self) -> tuple[torch.dtype, str]:
+        """The weights' dtype, and why it was chosen (for the start log and /info)."""
+        if self.dtype != "auto":
+            dtype = _DTYPES.get(self.dtype)
+            if dtype is None:
+                raise ValueError(f"unsupported dtype {self.dtype!r}; use 'auto' or one of {sorted(_DTYPES)}")
+            if dtype == torch.float16 and self.torch_device().type != "cuda":
+                raise ValueError("dtype float16 is for CUDA; on a CPU use float32 or bfloat16 (or auto)")
+            return dtype, "set in the config"
+        if self.torch_device().type == "cuda":
+            if torch.cuda.is_bf16_supported():
+                return torch.bfloat16, "auto: CUDA with bf16"
+            return torch.float16, "auto: CUDA without bf16"
+        cpu = cpu_features()
+        if cpu.native_bf16:
+            return torch.bfloat16, f"auto: the CPU has native bf16 ({cpu.isa})"
+        return torch.float32, f"auto: the CPU has no native bf16 ({cpu.isa}), where fp32 matmuls are faster"

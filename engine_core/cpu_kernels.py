@@ -2,10 +2,10 @@
 
 One extension module holds the paged decode attention and the fused layer ops (RMSNorm with the
 residual add, rotary embeddings; only where the CPU has AVX-512 BF16). torch's extension builder
-compiles it on first use for this CPU (-march=native, or $LLMGW_KERNEL_MARCH) with OpenMP, so that
-torch's threads share the work, and caches it under ~/.cache/torch_extensions (or
-$TORCH_EXTENSIONS_DIR). A container image builds it ahead of time and installs it as a module. With
-no C++ compiler the engine keeps its torch reference paths.
+compiles it on first use for the CPU it runs on (-march from the CPU's ISA, or $LLMGW_KERNEL_MARCH)
+with OpenMP, so that torch's threads share the work, and caches it under ~/.cache/torch_extensions (or
+$TORCH_EXTENSIONS_DIR). A container image builds it ahead of time and installs it as a module; a build
+whose ISA this CPU lacks is not used. With no C++ compiler the engine keeps its torch reference paths.
 """
 
 from __future__ import annotations
@@ -14,41 +14,105 @@ import hashlib
 import importlib
 import logging
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from engine_core.cpu_features import ISA_LEVELS, cpu_features
 
 log = logging.getLogger("llmgw.engine")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "layer_ops.cpp", "bindings.cpp")]
-# the target CPU: "native" where it runs; an image built on one machine for others sets e.g. x86-64-v3
+# the target CPU: by default the ISA this CPU has; an image built on one machine for others sets e.g. x86-64-v3
 MARCH_ENV = "LLMGW_KERNEL_MARCH"
-_module: ModuleType | None = None
-_tried = False
+# -march for each ISA level, named rather than "native": a capped ISA (LLMGW_CPU_ISA) builds what it says,
+# and a build made on one machine (an image) runs on any other of its level (cooperlake: x86-64-v4 + BF16)
+MARCH_FOR_ISA = {"avx512_bf16": "cooperlake", "avx512": "x86-64-v4", "avx2": "x86-64-v3", "scalar": "x86-64"}
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]  # -fopenmp: at::parallel_for is a header template
 
 
-def module_name() -> str:
+@dataclass(frozen=True, slots=True)
+class KernelBuild:
+    module: ModuleType
+    march: str
+    isa: str  # what the module was compiled for
+    source: str  # "prebuilt" (an installed module, as in the image), "cache" or "compiled"
+    seconds: float
+
+    @property
+    def kernels(self) -> list[str]:
+        return sorted(n for n in ("paged_decode", "rms_norm", "rotary_", "silu_and_mul") if hasattr(self.module, n))
+
+    def describe(self) -> str:
+        how = {"prebuilt": "imported the prebuilt module", "cache": "loaded from the cache"}.get(self.source,
+                                                                                                 "compiled")
+        return (f"{how} in {self.seconds:.1f} s, -march={self.march} {' '.join(CFLAGS)}, "
+                f"compiled for {self.isa}, kernels {', '.join(self.kernels)}")
+
+
+_builds: dict[str, KernelBuild | None] = {}  # by -march
+
+
+def target_march() -> str:
+    return os.environ.get(MARCH_ENV) or MARCH_FOR_ISA[cpu_features().isa]
+
+
+def module_name(march: str | None = None) -> str:
     """Named for the target CPU and the sources (headers included, which torch's builder does not
     track), so that a changed kernel is never served from a stale build."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h")))
-    return f"llmgw_cpu_kernels_{os.environ.get(MARCH_ENV, 'native').replace('-', '_')}_{digest.hexdigest()[:10]}"
+    return f"llmgw_cpu_kernels_{(march or target_march()).replace('-', '_')}_{digest.hexdigest()[:10]}"
+
+
+def _runs_here(isa: str) -> bool:
+    return isa in ISA_LEVELS and ISA_LEVELS.index(isa) <= ISA_LEVELS.index(cpu_features().isa)
+
+
+def kernel_build() -> KernelBuild | None:
+    """The compiled module for this CPU, built on first use (logged with its flags, ISA and duration);
+    None when it cannot be built here."""
+    return build_for_march(target_march())
+
+
+def build_for_isa(isa: str) -> KernelBuild | None:
+    """The build of one ISA level's paths (tests check each level this CPU can run)."""
+    return build_for_march(MARCH_FOR_ISA[isa]) if _runs_here(isa) else None
+
+
+def build_for_march(march: str) -> KernelBuild | None:
+    if march not in _builds:
+        _builds[march] = _load(march)
+    return _builds[march]
+
+
+def _load(march: str) -> KernelBuild | None:
+    name, started = module_name(march), time.perf_counter()
+    try:  # built ahead of time and installed as a module (the container image does this)
+        module: ModuleType | None = importlib.import_module(name)
+        source = "prebuilt"
+    except ImportError:
+        module, source = None, "compiled"
+    if module is not None and not _runs_here(module.compiled_isa()):
+        log.warning("the prebuilt CPU kernels target %s, which this CPU (%s) lacks; compiling for it",
+                    module.compiled_isa(), cpu_features().isa)
+        return build_for_march(MARCH_FOR_ISA[cpu_features().isa])
+    try:
+        if module is None:
+            from torch.utils.cpp_extension import _get_build_directory, load
+
+            cached = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+            source = "cache" if cached else "compiled"
+            log.info("CPU kernels: %s (-march=%s) ...", "loading the cached build" if cached
+                     else "compiling for this CPU, once (about a minute)", march)
+            module = load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=[*CFLAGS, f"-march={march}"],
+                          extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no headers: the reference paths still work
+        log.warning("CPU kernels unavailable, using the torch reference paths: %s", exc)
+        return None
+    return KernelBuild(module, march, module.compiled_isa(), source, time.perf_counter() - started)
 
 
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module, built on first use; None when it cannot be built here."""
-    global _module, _tried
-    if not _tried:
-        _tried = True
-        march = os.environ.get(MARCH_ENV, "native")
-        try:
-            try:  # built ahead of time and installed as a module (the container image does this)
-                _module = importlib.import_module(module_name())
-            except ImportError:
-                from torch.utils.cpp_extension import load
-
-                # -fopenmp: at::parallel_for is a header template, so without it a kernel runs on one thread
-                _module = load(name=module_name(), sources=[str(s) for s in SOURCES],
-                               extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
-                               extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as exc:  # no compiler, no headers: the reference paths still work
-            log.warning("CPU kernels unavailable, using the torch reference paths: %s", exc)
-    return _module
+    build = kernel_build()
+    return None if build is None else build.module

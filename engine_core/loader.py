@@ -85,11 +85,15 @@ def convert_embedded(dest: Path) -> float:
     return time.perf_counter() - started
 
 
+def embedded_is_converted() -> bool:
+    return (cache_root() / EMBEDDED_NAME / "config.json").is_file()
+
+
 def resolve_model_dir(source: str) -> Path:
     """Turn a model source into a local directory holding config.json, safetensors and tokenizer."""
     if source == EMBEDDED:
         dest = cache_root() / EMBEDDED_NAME
-        if not (dest / "config.json").is_file():
+        if not embedded_is_converted():
             convert_embedded(dest)
         return dest
     path = Path(source).expanduser()

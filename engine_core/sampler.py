@@ -1,8 +1,9 @@
 """Turn a batch of logits into next tokens, vLLM's order of operations:
 
-raw logprobs → min_tokens mask → penalties (repetition, frequency, presence) → greedy argmax, or
-temperature → top_k → top_p → min_p → typical_p → exponential-race sampling. Every sampling
-sequence draws from its own seeded generator, so its output does not depend on its batch.
+grammar bitmask (constrained rows) → raw logprobs → min_tokens mask → penalties (repetition, frequency,
+presence) → greedy argmax, or temperature → top_k → top_p → min_p → typical_p → exponential-race
+sampling. Every sampling sequence draws from its own seeded generator, so its output does not depend
+on its batch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_core.sequence import Sequence, TokenLogprob
+from engine_core.structured.bitmask import TokenBitmask
 
 
 @dataclass(slots=True)
@@ -25,8 +27,16 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
     for row, seq in enumerate(seqs):
         if seq.num_output_tokens < seq.params.min_tokens:
             banned = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(eos_token_ids))
+            if banned and seq.grammar is not None and not _allows_other_than(logits[row], banned):
+                continue  # the grammar is complete and only a stop may follow: end early, not with nothing
             if banned:
                 logits[row, banned] = float("-inf")
+
+
+def _allows_other_than(row: torch.Tensor, banned: list[int]) -> bool:
+    allowed = torch.isfinite(row)
+    allowed[banned] = False
+    return bool(allowed.any())
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -90,9 +100,12 @@ def processed_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = eos_token_ids
+        self.bitmask = TokenBitmask()
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [len(seqs), vocab] in the model's dtype, one row per sequence that samples this step."""
+        """logits: [len(seqs), vocab] in the model's dtype, one row per sequence that samples this step.
+        Constrained rows are masked in place first, so every path below, the greedy one too, sees the mask."""
+        self.bitmask.apply(logits, seqs)
         if all(_plain_greedy(s) for s in seqs):
             # the common case needs neither an fp32 copy of the logits nor anything but the argmax; max()
             # returns the same first index, and on CPU in bf16 it is ~6x faster than argmax()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine_core.structured.params import StructuredOutputsParams
+
 INT32_MAX = 2**31 - 1  # TGI's top_k is an i32; torch needs it to fit anyway
 UINT64_MAX = 2**64 - 1  # the widest seed torch.Generator takes
 
@@ -28,6 +30,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; n: chosen token plus the top n alternatives
     prompt_logprobs: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match this constraint
 
     @property
     def greedy(self) -> bool:
@@ -55,3 +58,5 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.structured.matcher import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +44,7 @@ class Sequence:
     # prompt-token logprobs (TGI decoder_input_details): entry i is the logprob of prompt token i+1
     prompt_logprobs: list[TokenLogprob] | None = None
     num_preemptions: int = 0
+    grammar: GrammarState | None = None  # set for a constrained request; dropped when it finishes
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -138,6 +138,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra = (f" fallback={model.fallback}" if model.fallback else "") + \
                 (f" shadow={model.shadow.backend}@{model.shadow.sample:g}" if model.shadow else "")
             lines.append(f"  model {name}{default} -> {split}{aliases}{extra}")
+        for name, entry in self.backends.items():
+            described = getattr(entry.settings, "describe", None)  # a backend type may say more of itself
+            if described is not None:
+                lines.append(f"  backend {name} (type {entry.type}): {described()}")
         return "\n".join(lines)
 
 

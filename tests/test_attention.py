@@ -7,8 +7,20 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.attention import AttentionBackend, AttentionMetadata, TorchReferenceAttention
-from engine_core.attention.cpu_paged import CpuPagedAttention, paged_decode_kernel
+from engine_core.attention.cpu_paged import CpuPagedAttention
 from engine_core.attention.torch_ref import _grouped_decode
+from engine_core.cpu_kernels import build_for_isa
+
+# The compiled kernels of both kinds of machine the engine runs on: AVX-512 BF16 and AVX2 only. A CPU
+# runs the builds for its own ISA and below; the others are skipped, with the reason.
+ISAS = ["avx512_bf16", "avx2"]
+
+
+def kernel_for(isa: str):  # type: ignore[no-untyped-def]
+    build = build_for_isa(isa)
+    if build is None:
+        pytest.skip(f"this CPU cannot run the {isa} build (or there is no C++ compiler)")
+    return build.module.paged_decode
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -21,16 +33,11 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v.double())
 
 
-def backends() -> list[AttentionBackend]:
-    kernel = paged_decode_kernel()
-    return [TorchReferenceAttention()] + ([CpuPagedAttention(kernel)] if kernel is not None else [])
-
-
-@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("path", ["torch", *ISAS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [16, 64])  # the kernel's generic path, and its vectorised one
-def test_mixed_prefill_and_decode_batch_matches_dense_attention(dtype: torch.dtype, dim: int,
-                                                                backend: AttentionBackend) -> None:
+def test_mixed_prefill_and_decode_batch_matches_dense_attention(dtype: torch.dtype, dim: int, path: str) -> None:
+    backend: AttentionBackend = TorchReferenceAttention() if path == "torch" else CpuPagedAttention(kernel_for(path))
     torch.manual_seed(0)
     heads, kv_heads, block = 6, 2, 4
     total = [7, 1, 12, 5]  # tokens each sequence has in all
@@ -79,12 +86,12 @@ def test_grouped_decode_equals_sdpa_with_gqa_and_mask() -> None:
 @pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 take the vectorised paths, 16 the generic one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [3, 4, 5])  # bf16 has kernels for groups 1-4 and 8; 5 takes the fallback
-def test_cpu_paged_decode_kernel_reads_only_its_own_blocks(dtype: torch.dtype, head_dim: int, group: int) -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_cpu_paged_decode_kernel_reads_only_its_own_blocks(dtype: torch.dtype, head_dim: int, group: int,
+                                                           isa: str) -> None:
     """Random block tables, ragged lengths, GQA, and a cache poisoned with NaN everywhere no sequence
     owns: any read outside a sequence's blocks and length shows up as NaN."""
-    kernel = paged_decode_kernel()
-    if kernel is None:
-        pytest.skip("no C++ compiler here: the engine uses the torch reference")
+    kernel = kernel_for(isa)
     torch.manual_seed(head_dim)
     kv_heads, block, num_blocks = 2, 4, 64
     heads = group * kv_heads

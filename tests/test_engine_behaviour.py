@@ -15,7 +15,7 @@ from tests.engine_helpers import random_prompts, run_staggered
 
 @pytest.fixture(scope="module")
 def engine(smollm_dir: Path) -> Iterator[LLMEngine]:
-    engine = LLMEngine(EngineConfig(model=str(smollm_dir), num_blocks=400, max_num_batched_tokens=256))
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="float32", num_blocks=400, max_num_batched_tokens=256))
     yield engine
 
 
@@ -157,7 +157,7 @@ def test_abort_frees_blocks_at_once(engine: LLMEngine) -> None:
 
 
 def test_prefix_caching_reuses_blocks_and_keeps_outputs(smollm_dir: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(smollm_dir), num_blocks=200, enable_prefix_caching=True))
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="float32", num_blocks=200, enable_prefix_caching=True))
     shared = random_prompts(1, [70], 49152, seed=9)[0]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     [first] = engine.generate([shared + [5, 6]], params)

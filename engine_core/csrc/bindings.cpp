@@ -10,9 +10,23 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 #endif
 
+// The widest vector path this build was compiled for; Python refuses a build its CPU cannot run.
+static const char* compiled_isa() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 // The GIL is released while a kernel runs, so the server's event loop runs beside it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("compiled_isa", &compiled_isa, "the vector ISA this build targets");
   m.def("paged_decode", &paged_decode, "paged decode attention over a block-paged KV cache (CPU)", release());
 #if defined(__AVX512BF16__)
   m.def("rms_norm", &rms_norm, "RMSNorm, with an optional residual add in place (bf16)", release());
