@@ -3,6 +3,8 @@
 Chat requests pass through as messages (the upstream applies its own template); prompt requests
 (the TGI door, /v1/completions) go to /v1/completions. The upstream is always asked to stream,
 so TTFT is real and non-streaming responses are the same stream, aggregated by the gateway.
+Tools pass through (the upstream's own parser makes the calls; they come back as tool-call deltas);
+output constraints go in the flavor's own fields (backends/constraints.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import msgspec
 from backends.base import (
     BackendInfo,
     BackendValidationError,
+    ConstraintKind,
     FinishReason,
     GenerationRequest,
     TokenEvent,
@@ -24,6 +27,14 @@ from backends.base import (
     TokenSpan,
     UpstreamError,
     Usage,
+)
+from backends.constraints import (
+    ALL_KINDS,
+    JSON_KINDS,
+    generic_fields,
+    refuse_unenforceable,
+    trtllm_fields,
+    vllm_fields,
 )
 from backends.http import (
     HttpSettings,
@@ -38,7 +49,12 @@ from backends.http import (
     trace_headers,
 )
 from backends.sse import SSEEvent
+from backends.tool_calls import ToolCallRelay, refuse_tools, tool_fields, wire_message
 from backends.upstream_text import UpstreamText
+
+# per flavor: the constraint kinds it has a wire form for, and that form
+CONSTRAINT_FORMS = {"vllm": (ALL_KINDS, vllm_fields), "trtllm": (ALL_KINDS, trtllm_fields),
+                    "generic": (JSON_KINDS, generic_fields)}
 
 
 class OpenAISettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -46,6 +62,21 @@ class OpenAISettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_o
     model: str  # the upstream's model name; clients may call it by another
     flavor: Literal["vllm", "trtllm", "generic"] = "generic"
     max_model_len: int | None = None  # default: what the upstream's /v1/models says, if it says
+    # the constraint kinds to let through; default: every kind the flavor has a wire form for
+    # (trtllm-serve enforces them only when started with a guided_decoding_backend)
+    constraint_kinds: list[ConstraintKind] | None = None
+    native_tools: bool = True  # False: the gateway does tool calling over plain messages
+
+    def __post_init__(self) -> None:
+        forms = CONSTRAINT_FORMS[self.flavor][0]
+        extra = set(self.constraint_kinds or ()) - forms
+        if extra:  # msgspec reports this as a config error at the field's table
+            raise ValueError(f"constraint_kinds {sorted(extra)} have no wire form for flavor {self.flavor!r} "
+                             f"(it has {sorted(forms)})")
+
+    def kinds(self) -> frozenset[str]:
+        forms = CONSTRAINT_FORMS[self.flavor][0]
+        return forms if self.constraint_kinds is None else frozenset(self.constraint_kinds)
 
 
 class OpenAIBackend:
@@ -73,7 +104,8 @@ class OpenAIBackend:
 
     def info(self) -> BackendInfo:
         return BackendInfo(backend_type=self.type_name, model_id=self.settings.model, max_model_len=self.max_model_len,
-                           accepts_chat_messages=True, can_tokenize=False)
+                           accepts_chat_messages=True, can_tokenize=False, constraint_kinds=self.settings.kinds(),
+                           native_tools=self.settings.native_tools)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
         raise BackendValidationError(f"backend {self.name!r} ({self.type_name}) cannot tokenize")
@@ -97,11 +129,14 @@ class OpenAIBackend:
         }
         if self.settings.flavor == "vllm":
             body["return_token_ids"] = True  # so TGI-door details carry real token ids
+        if r.constraint is not None:  # the same fields on the chat and the completions route
+            body.update(CONSTRAINT_FORMS[self.settings.flavor][1](r.constraint, self.name))
         return body
 
     def _chat_body(self, r: GenerationRequest) -> dict[str, Any]:
         body = self._sampling(r)
-        body["messages"] = [{"role": m.role, "content": m.content} for m in r.messages or []]
+        body["messages"] = [wire_message(m) for m in r.messages or []]
+        body.update(tool_fields(r, self.name, send_parallel=self.settings.flavor != "trtllm"))
         body["max_tokens"] = r.max_new_tokens
         if r.logprobs or r.top_logprobs:
             body["logprobs"] = True
@@ -118,22 +153,27 @@ class OpenAIBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         chat = request.messages is not None
+        refuse_unenforceable(self.name, self.type_name, request.constraint, self.settings.kinds())
+        if not chat or not self.settings.native_tools:  # /v1/completions takes no tools
+            refuse_tools(self.name, self.type_name, request)
+        # parallel_tool_calls=false is enforced here too: some trtllm-serve releases accept it and ignore it
+        tools = ToolCallRelay(self.name, parallel=request.parallel_tool_calls)
         path, body = ("/v1/chat/completions", self._chat_body(request)) if chat else \
             ("/v1/completions", self._completion_body(request))
         started = time.monotonic()
         if not request.stream:  # nobody sees tokens before the end: one JSON answer costs less than a stream
             body["stream"] = False
             body.pop("stream_options", None)
-            async for event in self._whole(path, body, request, chat):
+            async for event in self._whole(path, body, request, chat, tools):
                 yield event
             return
         async with open_stream(self.client, self.name, path, body, trace_headers(request)) as response:
             async for event in relay_openai_stream(timed_events(response, self.settings, self.name, started),
-                                                   self.name, chat):
+                                                   self.name, chat, tools=tools):
                 yield event
 
     async def _whole(self, path: str, body: dict[str, Any], request: GenerationRequest,
-                     chat: bool) -> AsyncIterator[TokenEvent]:
+                     chat: bool, tools: ToolCallRelay) -> AsyncIterator[TokenEvent]:
         async with open_stream(self.client, self.name, path, body, trace_headers(request)) as response:
             payload = _decode((await read_body(response, self.settings, self.name)).decode(), self.name)
         if payload.get("error") is not None or payload.get("object") == "error":
@@ -144,7 +184,8 @@ class OpenAIBackend:
         choice = dict(choices[0])
         if chat:  # a whole message reads like one big delta
             choice["delta"] = choice.pop("message", None) or {}
-        events = _events(choice, chat)
+        events = _events(choice, chat, tools)
+        tools.finish()
         if not events or not events[-1].finished:
             raise error_for_status(502, "the answer has no finish_reason", self.name)
         usage = payload.get("usage") or {}
@@ -155,9 +196,11 @@ class OpenAIBackend:
 
 
 async def relay_openai_stream(events: AsyncIterator[SSEEvent], backend: str, chat: bool,
-                              text: UpstreamText | None = None) -> AsyncIterator[TokenEvent]:
+                              text: UpstreamText | None = None,
+                              tools: ToolCallRelay | None = None) -> AsyncIterator[TokenEvent]:
     """An OpenAI-style event stream as token events. The finish is held until the usage chunk
     that follows it; `text`, where given, cuts stop strings the upstream left in its text."""
+    tools = tools or ToolCallRelay(backend)
     final: TokenEvent | None = None
     count = 0
     async for sse in events:
@@ -168,7 +211,7 @@ async def relay_openai_stream(events: AsyncIterator[SSEEvent], backend: str, cha
         if chunk.get("error") is not None or chunk.get("object") == "error":
             raise _stream_error(chunk, backend)
         for choice in chunk.get("choices") or []:
-            for event in _events(choice, chat):
+            for event in _events(choice, chat, tools):
                 count += 1
                 if event.finished:
                     if text is not None:
@@ -182,6 +225,7 @@ async def relay_openai_stream(events: AsyncIterator[SSEEvent], backend: str, cha
         usage = chunk.get("usage")
         if usage and final is not None:
             final.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or count))
+    tools.finish()
     if final is not None:
         final.usage = final.usage or Usage(0, count)
         yield final
@@ -214,20 +258,25 @@ def _finish(choice: dict[str, Any]) -> tuple[FinishReason | None, str | None]:
         return None, None
     if reason == "length":
         return FinishReason.LENGTH, None
+    if reason in ("tool_calls", "function_call"):  # the door decides what its client sees
+        return FinishReason.TOOL_CALLS, None
     stop_reason = choice.get("stop_reason")
     if reason == "stop_sequence" or isinstance(stop_reason, str):
         return FinishReason.STOP_SEQUENCE, stop_reason if isinstance(stop_reason, str) else None
     return FinishReason.EOS_TOKEN, None
 
 
-def _events(choice: dict[str, Any], chat: bool) -> list[TokenEvent]:
-    """One chunk's choice as token events: one per logprob entry when there are any, else one."""
-    text = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
+def _events(choice: dict[str, Any], chat: bool, tools: ToolCallRelay) -> list[TokenEvent]:
+    """One chunk's choice as token events: one per logprob entry when there are any, else one.
+    Its tool-call pieces go on the last."""
+    delta = (choice.get("delta") or {}) if chat else {}
+    text = (delta.get("content") if chat else choice.get("text")) or ""
+    calls = tools.feed(delta.get("tool_calls"))
     reason, stop_string = _finish(choice)
     entries = _logprob_entries(choice.get("logprobs"), chat)
     ids = choice.get("token_ids") or []
-    if not text and reason is None and not entries:
-        return []  # the role-only first chunk, or an empty keep-alive delta
+    if not text and reason is None and not entries and not calls:
+        return []  # the role-only first chunk, an empty keep-alive delta, a call's held-back name
     if not entries:  # no logprobs: one event per token id when the chunk carries several
         entries = [("", None, []) for _ in ids[:-1]] + [(text, None, [])]
     events = []
@@ -237,6 +286,7 @@ def _events(choice: dict[str, Any], chat: bool) -> list[TokenEvent]:
                                  token_text=token_text, logprob=logprob, top_logprobs=top))
     events[-1].finish_reason = reason
     events[-1].stop_string = stop_string
+    events[-1].tool_calls = calls
     return events
 
 

@@ -3,6 +3,14 @@
 TGI refuses `top_p >= 1`, `temperature <= 0` and `top_k <= 0`, so those are left out and greedy
 decoding is asked for with `do_sample: false`. Its errors are `{"error", "error_type"}` JSON, or
 plain text from its body parser; its stream errors arrive as events inside a 200 response.
+
+Constraints become TGI's grammar (`parameters.grammar` on /generate, `response_format` on chat;
+backends/constraints.py).
+Tools are not passed on (`native_tools=False`): the gateway does tool calling over plain messages,
+as for every backend that does not parse calls itself. TGI's own tool mode (a grammar-forced
+`{"function": {"_name": ...}}` object) allows one call only, answers `auto` requests that pick no
+tool with a second, tool-less generation, and streams without a finish chunk (README: "Output
+constraints and tools on remote backends").
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import msgspec
 
 from backends.base import (
     BackendInfo,
+    ChatMessage,
     FinishReason,
     GenerationRequest,
     TokenEvent,
@@ -23,6 +32,7 @@ from backends.base import (
     TokenSpan,
     Usage,
 )
+from backends.constraints import TGI_KINDS, refuse_unenforceable, tgi_grammar
 from backends.http import (
     HttpSettings,
     answers_ok,
@@ -35,6 +45,7 @@ from backends.http import (
     trace_headers,
 )
 from backends.openai import _decode, relay_openai_stream
+from backends.tool_calls import refuse_tools
 from backends.upstream_text import UpstreamText
 
 _VALIDATION_PREFIX = "Input validation error: "
@@ -68,7 +79,8 @@ class TgiBackend:
 
     def info(self) -> BackendInfo:
         return BackendInfo(backend_type=self.type_name, model_id=self.model_id, max_model_len=self.max_total_tokens,
-                           accepts_chat_messages=True, can_tokenize=True)
+                           accepts_chat_messages=True, can_tokenize=True, constraint_kinds=TGI_KINDS,
+                           native_tools=False)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
         async with open_stream(self.client, self.name, "/tokenize", {"inputs": text}, {}) as response:
@@ -80,8 +92,7 @@ class TgiBackend:
 
     # requests
 
-    @staticmethod
-    def parameters(r: GenerationRequest) -> dict[str, Any]:
+    def parameters(self, r: GenerationRequest) -> dict[str, Any]:
         sampling = not r.greedy
         return drop_none({
             "do_sample": sampling,
@@ -94,19 +105,23 @@ class TgiBackend:
             "seed": r.seed, "max_new_tokens": r.max_new_tokens, "stop": list(r.stop),
             "details": True, "top_n_tokens": r.top_logprobs or None,
             "decoder_input_details": r.prompt_logprobs or None,
+            "grammar": tgi_grammar(r.constraint, self.name) if r.constraint is not None else None,
         })
 
     def _chat_body(self, r: GenerationRequest) -> dict[str, Any]:
         return drop_none({
-            "messages": [{"role": m.role, "content": m.content} for m in r.messages or []],
+            "messages": [_message(m) for m in r.messages or []],
             "stream": True, "stream_options": {"include_usage": True}, "max_tokens": r.max_new_tokens,
             "temperature": r.temperature, "top_p": r.top_p if 0.0 < r.top_p < 1.0 else None, "seed": r.seed,
             "stop": list(r.stop) or None, "frequency_penalty": r.frequency_penalty or None,
             "presence_penalty": r.presence_penalty or None,
             "logprobs": True if (r.logprobs or r.top_logprobs) else None, "top_logprobs": r.top_logprobs or None,
+            "response_format": tgi_grammar(r.constraint, self.name) if r.constraint is not None else None,
         })
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        refuse_unenforceable(self.name, self.type_name, request.constraint, TGI_KINDS)
+        refuse_tools(self.name, self.type_name, request)
         started = time.monotonic()
         if request.messages is not None:
             async for event in self._chat(request, started):
@@ -166,6 +181,11 @@ class TgiBackend:
             async for event in relay_openai_stream(timed_events(response, self.settings, self.name, started),
                                                    self.name, chat=True, text=UpstreamText(request.stop)):
                 yield event
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    # null content comes only with tool calls, which refuse_tools keeps away; chat templates need text
+    return {"role": m.role, "content": m.content or ""}
 
 
 def _top(tokens: Any) -> list[TokenLogprob]:

@@ -5,6 +5,9 @@ Two input-name dialects, chosen in config: `ensemble` (the ensemble / tensorrt_l
 `sampling_param_*`, `streaming`, `return_finish_reason`). Triton refuses null values, streams
 `text_output` deltas with no `[DONE]`, may put an error inside a 200 stream, and (ensemble) reports
 no finish reason: `length` is inferred when the output reached `max_tokens`.
+
+It cannot constrain output here (no constraint kinds: the gateway refuses them before generation,
+and so does `generate`), and it takes no tools: the gateway renders them into the prompt.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from backends.base import (
     TokenSpan,
     Usage,
 )
+from backends.constraints import refuse_unenforceable
 from backends.http import (
     HttpSettings,
     answers_ok,
@@ -35,6 +39,7 @@ from backends.http import (
     trace_headers,
 )
 from backends.openai import _decode
+from backends.tool_calls import refuse_tools
 from backends.upstream_text import UpstreamText
 
 
@@ -69,7 +74,8 @@ class TritonBackend:
     def info(self) -> BackendInfo:
         return BackendInfo(backend_type=self.type_name, model_id=self.settings.model,
                            max_model_len=self.settings.max_model_len, chat_template=self.settings.chat_template,
-                           accepts_chat_messages=False, can_tokenize=False)
+                           accepts_chat_messages=False, can_tokenize=False, constraint_kinds=frozenset(),
+                           native_tools=False)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
         raise BackendValidationError(f"backend {self.name!r} (triton) cannot tokenize")
@@ -103,6 +109,8 @@ class TritonBackend:
         })
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        refuse_unenforceable(self.name, self.type_name, request.constraint, frozenset())
+        refuse_tools(self.name, self.type_name, request)
         if request.prompt is None:
             raise BackendValidationError("the triton backend takes a prompt; chat is rendered by the gateway")
         started = time.monotonic()

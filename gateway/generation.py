@@ -17,6 +17,7 @@ from backends.base import (
     GenerationRequest,
     TokenEvent,
     TokenLogprob,
+    ToolCall,
     UpstreamError,
     Usage,
     describe,
@@ -27,6 +28,7 @@ from gateway.errors import GatewayError
 from gateway.router import ModelRoute
 from gateway.shadow import tap
 from gateway.telemetry.record import RequestRecord, current_record
+from gateway.tools.calls import ToolCallAccumulator
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -211,9 +213,14 @@ async def _relay(gw: Gateway, name: str, backend: Backend, first: TokenEvent, st
         raise GatewayError("Incomplete generation stream", kind="upstream")
 
 
-async def generate_whole(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> Collected:
+Wrap = Callable[[AsyncIterator[TokenEvent]], AsyncIterator[TokenEvent]]
+
+
+async def generate_whole(gw: Gateway, route: ModelRoute, request: GenerationRequest,
+                         wrap: Wrap | None = None) -> Collected:
+    """The whole answer; `wrap` rewrites the events first (the gateway's tool-call parser)."""
     served = await start(gw, route, request)
-    result = await collect(served.events)
+    result = await collect(wrap(served.events) if wrap is not None else served.events)
     result.backend = served.backend
     return result
 
@@ -224,6 +231,7 @@ class Collected:
     text: str = ""
     token_text: str = ""
     backend: str = ""
+    calls: ToolCallAccumulator = field(default_factory=ToolCallAccumulator)
 
     @property
     def last(self) -> TokenEvent:
@@ -241,12 +249,18 @@ class Collected:
     def sum_logprob(self) -> float:
         return sum(e.logprob or 0.0 for e in self.events)
 
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.calls.calls()
+
 
 async def collect(stream: AsyncIterator[TokenEvent]) -> Collected:
     result = Collected()
     async for event in stream:
         result.events.append(event)
         result.text += event.text
+        if event.tool_calls:
+            result.calls.add(event.tool_calls)
         if not event.special:
             result.token_text += event.token_text
     return result

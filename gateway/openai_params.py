@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
-from backends.base import ChatMessage, GenerationRequest
+from backends.base import ChatMessage, GenerationRequest, OutputConstraint, ToolCall
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError
-from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingExtras, TextPart
+from gateway.protocol.openai import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingExtras, TextPart
 from gateway.router import ModelRoute
 
-FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+# a remote backend's `tool_calls` reads as a stop here: chat_finish_reason decides what the client sees
+FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "stop"}
+
+
+def chat_finish_reason(finish: str, made_calls: bool, named: bool) -> str:
+    """vLLM's rule (serve/utils/tool_calls_utils.py): `tool_calls` when calls were made and the model
+    stopped by itself; a `length` cut stays `length`; a forced named call is a plain `stop`."""
+    reason = FINISH_REASONS[finish]
+    return "tool_calls" if made_calls and reason == "stop" and not named else reason
 
 
 def _invalid(message: str, param: str | None) -> GatewayError:
@@ -35,37 +44,50 @@ def check_common(req: SamplingExtras, server: ServerConfig) -> None:
         raise _invalid("`top_k` must be -1 (disabled) or a positive number", "top_k")
 
 
+def _text(content: str | list | None, param: str) -> str | None:
+    """A message's content as text: text parts are joined; other parts (images, audio, files) are refused."""
+    if not isinstance(content, list):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, TextPart):
+            kind = type(part).__name__.removesuffix("Part")
+            raise _invalid(f"content parts of type {kind!r} are not supported; only text", f"{param}[{j}]")
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def _calls(m: ChatMessageIn) -> list[ToolCall]:
+    return [ToolCall(id=c.id, name=c.function.name,
+                     arguments=c.function.arguments if isinstance(c.function.arguments, str)
+                     else json.dumps(c.function.arguments, ensure_ascii=False))
+            for c in m.tool_calls or []]
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
+    """Core messages: assistant turns keep their calls (content may be None then), `tool` turns their
+    `tool_call_id`. How a backend gets them (natively, or as text) is gateway/tools/plan.py's choice."""
     messages = []
     for i, m in enumerate(req.messages):
-        if m.role in ("tool", "function") or m.tool_calls or m.function_call:
-            raise _invalid("tool and function messages are not supported by this gateway", f"messages[{i}]")
-        if isinstance(m.content, list):
-            parts = []
-            for j, part in enumerate(m.content):
-                if not isinstance(part, TextPart):
-                    kind = type(part).__name__.removesuffix("Part")
-                    raise _invalid(f"content parts of type {kind!r} are not supported; only text",
-                                   f"messages[{i}].content[{j}]")
-                parts.append(part.text)
-            content = "\n".join(parts)
-        else:
-            content = m.content or ""
+        if m.role == "function" or m.function_call is not None:
+            raise _invalid("function messages (deprecated function calling) are not supported; use tools",
+                           f"messages[{i}]")
+        if m.tool_calls and m.role != "assistant":
+            raise _invalid("only assistant messages may carry `tool_calls`", f"messages[{i}].tool_calls")
+        if m.role == "tool" and not m.tool_call_id:
+            raise _invalid("`tool` messages need the `tool_call_id` of the call they answer",
+                           f"messages[{i}].tool_call_id")
+        content = _text(m.content, f"messages[{i}].content")
+        calls = _calls(m)
+        if content is None and not calls:
+            content = ""
         role = "system" if m.role == "developer" else m.role
-        messages.append(ChatMessage(role=role, content=content))
+        messages.append(ChatMessage(role=role, content=content, tool_calls=calls,
+                                    tool_call_id=m.tool_call_id if m.role == "tool" else None, name=m.name))
     return messages
 
 
 def check_chat_features(req: ChatCompletionRequest) -> None:
-    if req.tools or req.functions:
-        raise _invalid("tools and function calling are not supported by this gateway",
-                       "tools" if req.tools else "functions")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise _invalid("`tool_choice` needs tools, which are not supported by this gateway", "tool_choice")
-    fmt = req.response_format
-    fmt_type = fmt.get("type") if isinstance(fmt, dict) else fmt
-    if fmt is not None and fmt_type != "text":
-        raise _invalid(f"`response_format` {fmt_type!r} is not supported; only 'text'", "response_format")
     if req.top_logprobs and not req.logprobs:
         raise _invalid("`top_logprobs` needs `logprobs: true`", "top_logprobs")
 
@@ -95,7 +117,8 @@ def check_context(route: ModelRoute, n_input: int | None, new_tokens: int, what:
 
 def core_request(req: SamplingExtras, route: ModelRoute, server: ServerConfig, *, prompt: str | None,
                  ids: list[int] | None, messages: list[ChatMessage] | None, new_tokens: int,
-                 logprobs: bool, top_logprobs: int, traceparent: str | None = None) -> GenerationRequest:
+                 logprobs: bool, top_logprobs: int, traceparent: str | None = None,
+                 constraint: OutputConstraint | None = None) -> GenerationRequest:
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default samples
     return GenerationRequest(
         request_id=uuid.uuid4().hex, model=route.name, prompt=prompt, prompt_token_ids=ids, messages=messages,
@@ -105,7 +128,7 @@ def core_request(req: SamplingExtras, route: ModelRoute, server: ServerConfig, *
         seed=req.seed, max_new_tokens=new_tokens, min_tokens=min(req.min_tokens or 0, new_tokens),
         stop=stop_list(req.stop, server), stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=bool(req.ignore_eos), logprobs=logprobs, top_logprobs=top_logprobs, traceparent=traceparent,
-        stream=bool(req.stream))
+        stream=bool(req.stream), constraint=constraint)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

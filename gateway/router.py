@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from backends.base import Backend, ChatMessage
 from gateway.chat_template import TemplateError, render_chat
@@ -54,13 +55,18 @@ class ModelRoute:
         default = self.config.default_max_new_tokens
         return min(default, room) if default else min(room, self.config.max_new_tokens or room)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    @property
+    def chat_template(self) -> str | None:
+        return self.config.chat_template or self.backend.info().chat_template
+
+    def render_chat(self, messages: list[ChatMessage] | list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """Plain messages, or (for a template that knows tools) messages in its own shape with `tools`."""
         info = self.backend.info()
+        shaped = [m if isinstance(m, dict) else {"role": m.role, "content": m.content or ""} for m in messages]
         try:
-            return render_chat(self.config.chat_template or info.chat_template,
-                               [{"role": m.role, "content": m.content} for m in messages],
-                               add_generation_prompt=add_generation_prompt, bos_token=info.bos_token,
-                               eos_token=info.eos_token)
+            return render_chat(self.chat_template, shaped, add_generation_prompt=add_generation_prompt,
+                               bos_token=info.bos_token, eos_token=info.eos_token, tools=tools)
         except TemplateError as exc:
             raise GatewayError(str(exc), kind="template", param="messages") from None
 

@@ -157,6 +157,17 @@ class Gateway:
                 return False
         return True
 
+    def backend_states(self) -> dict[str, str]:
+        """Each backend's state in words, for /health's 503 body: a starting one says which step it is in."""
+        states = {}
+        for name, backend in self.snapshot.backends.items():
+            if not self.started.get(id(backend)):
+                step = getattr(backend, "startup_step", lambda: None)()
+                states[name] = f"starting: {step}" if step else "starting"
+            else:
+                states[name] = self.health.describe(name)
+        return states
+
     async def aclose(self) -> None:
         for task in self._tasks:
             task.cancel()

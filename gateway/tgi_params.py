@@ -12,6 +12,7 @@ from gateway.errors import GatewayError
 from gateway.generation import tokenize_prompt
 from gateway.protocol.tgi import GenerateParameters, GenerateRequest
 from gateway.router import ModelRoute
+from gateway.tgi_grammar import tgi_constraint, tgi_route
 
 
 def default_parameters() -> GenerateParameters:
@@ -27,6 +28,7 @@ class ValidTgiRequest:
     input_length: int | None
     return_full_text: bool
     sampling: bool
+    route: ModelRoute  # narrowed to the backends that enforce the grammar, if there is one
 
 
 def _invalid(message: str, param: str | None = None) -> GatewayError:
@@ -68,8 +70,6 @@ def check_parameters(p: GenerateParameters, server: ServerConfig, stream: bool) 
     if p.top_n_tokens is not None and p.top_n_tokens > server.max_top_n_tokens:
         raise _invalid(f"`top_n_tokens` must be >= 0 and <= {server.max_top_n_tokens}. Given: {p.top_n_tokens}",
                        "top_n_tokens")
-    if p.grammar is not None:
-        raise _invalid("grammar is not supported", "grammar")
     if stream and p.decoder_input_details:
         raise _invalid("`decoder_input_details` == true is not supported when streaming tokens",
                        "decoder_input_details")
@@ -102,6 +102,9 @@ async def validate_tgi(req: GenerateRequest, route: ModelRoute, server: ServerCo
     if n_input is not None and n_input + max_new > total:
         raise _invalid(f"`inputs` tokens + `max_new_tokens` must be <= {total}. "
                        f"Given: {n_input} `inputs` tokens and {max_new} `max_new_tokens`", "max_new_tokens")
+    # TGI checks the grammar last, after the input's length
+    constraint = tgi_constraint(p.grammar) if p.grammar is not None else None
+    route = tgi_route(route, constraint)
     want_details = p.details or p.decoder_input_details
     core = GenerationRequest(
         request_id=uuid.uuid4().hex, model=route.name, prompt=req.inputs, prompt_token_ids=ids,
@@ -110,6 +113,7 @@ async def validate_tgi(req: GenerateRequest, route: ModelRoute, server: ServerCo
         repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
         frequency_penalty=p.frequency_penalty or 0.0, seed=p.seed, max_new_tokens=max_new, stop=list(p.stop),
         logprobs=True, top_logprobs=p.top_n_tokens or 0,
-        prompt_logprobs=p.decoder_input_details and want_details, traceparent=traceparent, stream=stream)
+        prompt_logprobs=p.decoder_input_details and want_details, traceparent=traceparent, stream=stream,
+        constraint=constraint)
     return_full_text = p.return_full_text if p.return_full_text is not None else compat
-    return ValidTgiRequest(core, p, p.best_of or 1, n_input, return_full_text, sampling)
+    return ValidTgiRequest(core, p, p.best_of or 1, n_input, return_full_text, sampling, route)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from tests.server import ROOT, running_gateway
+from tests.server import CLIENT_TIMEOUT, ROOT, WAIT, running_gateway, wait_until
 
 BACKEND = '[backends.local]\ntype = "engine"\n'
 MODEL = '[models.m]\nbackend = "local"\n'
@@ -39,13 +38,13 @@ def test_bad_config_names_the_key_path(text: str, message: str) -> None:
 
 def test_check_config_prints_what_it_serves_and_fails_cleanly(tmp_path: Path) -> None:
     good = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(ROOT / "config.toml")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+                          capture_output=True, text=True, cwd=ROOT, timeout=WAIT)
     assert good.returncode == 0 and "model smollm2 (default) -> backend local (type engine)" in good.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text(BACKEND + 'kv_cache_mb = "lots"\n' + MODEL)
     for command in (["check-config", str(bad)], ["serve", "--config", str(bad)]):
         out = subprocess.run([sys.executable, "-m", "gateway", *command], capture_output=True, text=True, cwd=ROOT,
-                             timeout=60)
+                             timeout=WAIT)
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert "backends.local.kv_cache_mb: Expected `int`, got `str`" in out.stderr
 
@@ -65,6 +64,7 @@ PLUGIN_CONFIG = """
 [backends.echo]
 type = "echo-test"
 start_delay = {delay}
+start_gate = "{gate}"
 accepts_chat = {chat}
 
 [models.echo-model]
@@ -73,27 +73,32 @@ backend = "echo"
 
 
 def test_entry_point_backend_serves_both_protocols(plugin_path: Path, tmp_path: Path) -> None:
-    config = PLUGIN_CONFIG.format(delay=0, chat="true")
+    config = PLUGIN_CONFIG.format(delay=0, gate="", chat="true")
     with running_gateway(config, tmp_path, env={"PYTHONPATH": str(plugin_path)}) as url:
-        tgi = httpx.post(f"{url}/generate", json={"inputs": "one two three", "parameters": {"max_new_tokens": 5}})
+        tgi = httpx.post(f"{url}/generate", json={"inputs": "one two three", "parameters": {"max_new_tokens": 5}},
+                         timeout=CLIENT_TIMEOUT)
         assert tgi.json() == {"generated_text": "one two three"}
         chat = httpx.post(f"{url}/v1/chat/completions", json={
-            "model": "echo-model", "messages": [{"role": "user", "content": "hello plugin world"}]}).json()
+            "model": "echo-model", "messages": [{"role": "user", "content": "hello plugin world"}]},
+            timeout=CLIENT_TIMEOUT).json()
         # this backend takes chat natively: it saw the message, not a rendered template
         assert chat["choices"][0]["message"]["content"] == "hello plugin world"
-        stream = httpx.post(f"{url}/generate_stream", json={"inputs": "a b"}).text
+        stream = httpx.post(f"{url}/generate_stream", json={"inputs": "a b"}, timeout=CLIENT_TIMEOUT).text
         assert stream.count("data: ") == 2 and '"generated_text":"a b"' in stream
 
 
 def test_health_is_503_until_backends_are_ready_and_chat_is_templated(plugin_path: Path, tmp_path: Path) -> None:
-    config = PLUGIN_CONFIG.format(delay=3, chat="false")
+    gate = tmp_path / "echo-may-start"  # the backend stays "starting" until the test creates this file
+    config = PLUGIN_CONFIG.format(delay=0, gate=gate, chat="false")
     with running_gateway(config, tmp_path, env={"PYTHONPATH": str(plugin_path)}, wait_healthy=False) as url:
-        early = httpx.get(f"{url}/health")
-        assert early.status_code == 503 and early.json() == {"error": "unhealthy", "error_type": "healthcheck"}
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{url}/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        early = httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT)
+        assert early.status_code == 503  # TGI's body, plus what is not ready yet
+        assert early.json() == {"error": "unhealthy", "error_type": "healthcheck", "draining": False,
+                                "backends": {"echo": "starting"}}
+        gate.touch()
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT).status_code == 200, "healthy",
+                   interval=0.2)
         chat = httpx.post(f"{url}/v1/chat/completions", json={
-            "model": "echo-model", "max_tokens": 50, "messages": [{"role": "user", "content": "hi there"}]}).json()
+            "model": "echo-model", "max_tokens": 50, "messages": [{"role": "user", "content": "hi there"}]},
+            timeout=CLIENT_TIMEOUT).json()
         assert chat["choices"][0]["message"]["content"] == "user: hi there\n"  # the template, echoed back

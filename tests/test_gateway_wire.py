@@ -8,6 +8,7 @@ import httpx
 import jsonschema
 import pytest
 
+from tests.server import CLIENT_TIMEOUT
 from tests.spec import REFERENCE, specs_available, validate
 
 
@@ -27,7 +28,7 @@ def sse_payloads(raw: bytes) -> list[bytes]:
 def test_tgi_stream_framing_is_exact(gateway_url: str) -> None:
     with httpx.stream("POST", f"{gateway_url}/generate_stream", json={
             "inputs": "The capital of France is", "parameters": {"max_new_tokens": 5, "details": True,
-                                                                 "top_n_tokens": 2}}) as r:
+                                                                 "top_n_tokens": 2}}, timeout=CLIENT_TIMEOUT) as r:
         raw = r.read()
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-accel-buffering"] == "no" and r.headers["cache-control"] == "no-cache"
@@ -52,14 +53,15 @@ def test_tgi_stream_framing_is_exact(gateway_url: str) -> None:
 
 def test_tgi_stream_leaves_out_top_tokens_and_details_when_not_asked(gateway_url: str) -> None:
     raw = httpx.post(f"{gateway_url}/generate_stream",
-                     json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).content
+                     json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}, timeout=CLIENT_TIMEOUT).content
     events = [json.loads(p) for p in sse_payloads(raw)]
     assert "top_tokens" not in events[0] and events[-1]["details"] is None
     assert events[-1]["generated_text"] is not None
 
 
 def test_tgi_stream_validation_error_is_an_event_with_status_200(gateway_url: str) -> None:
-    r = httpx.post(f"{gateway_url}/generate_stream", json={"inputs": "x", "parameters": {"top_p": 1.0}})
+    r = httpx.post(f"{gateway_url}/generate_stream", json={"inputs": "x", "parameters": {"top_p": 1.0}},
+                   timeout=CLIENT_TIMEOUT)
     assert r.status_code == 200
     assert r.content == b'data: {"error":"Input validation error: `top_p` must be > 0.0 and < 1.0",' \
                         b'"error_type":"validation"}\n\n'
@@ -68,7 +70,7 @@ def test_tgi_stream_validation_error_is_an_event_with_status_200(gateway_url: st
 def test_openai_stream_framing_ends_with_done(gateway_url: str) -> None:
     raw = httpx.post(f"{gateway_url}/v1/chat/completions", json={
         "model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True}}).content
+        "stream": True, "stream_options": {"include_usage": True}}, timeout=CLIENT_TIMEOUT).content
     payloads = sse_payloads(raw)
     assert payloads[-1] == b"[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
@@ -82,21 +84,24 @@ def test_openai_stream_framing_ends_with_done(gateway_url: str) -> None:
 
 def test_openai_stream_without_usage_leaves_the_field_out(gateway_url: str) -> None:
     raw = httpx.post(f"{gateway_url}/v1/chat/completions", json={
-        "model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}).content
+        "model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True},
+        timeout=CLIENT_TIMEOUT).content
     chunks = [json.loads(p) for p in sse_payloads(raw)[:-1]]
     assert all("usage" not in c for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] is not None
 
 
 def test_generate_response_matches_tgi_spec_and_headers(gateway_url: str) -> None:
     r = httpx.post(f"{gateway_url}/generate", json={"inputs": "Hello there", "parameters": {
-        "max_new_tokens": 4, "decoder_input_details": True, "top_n_tokens": 3, "do_sample": True, "seed": 3}})
+        "max_new_tokens": 4, "decoder_input_details": True, "top_n_tokens": 3, "do_sample": True, "seed": 3}},
+        timeout=CLIENT_TIMEOUT)
     body = r.json()
     validate("tgi", "GenerateResponse", body)
     assert body["details"]["seed"] == 3 and len(body["details"]["prefill"]) == int(r.headers["x-prompt-tokens"])
     assert r.headers["x-generated-tokens"] == "4" and float(r.headers["x-compute-time"]) > 0
     assert int(r.headers["x-total-time"]) >= int(r.headers["x-inference-time"])
     assert r.headers["x-compute-characters"] == str(len("Hello there"))
-    plain = httpx.post(f"{gateway_url}/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    plain = httpx.post(f"{gateway_url}/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}},
+                       timeout=CLIENT_TIMEOUT)
     assert list(plain.json()) == ["generated_text"]  # no details key at all
 
 
@@ -104,21 +109,21 @@ def test_chat_response_matches_openai_spec(gateway_url: str) -> None:
     body = httpx.post(f"{gateway_url}/v1/chat/completions", json={
         "model": "smollm2", "messages": [{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-        "max_tokens": 4, "logprobs": True, "top_logprobs": 1}).json()
+        "max_tokens": 4, "logprobs": True, "top_logprobs": 1}, timeout=CLIENT_TIMEOUT).json()
     validate("openai", "CreateChatCompletionResponse", body)
 
 
 def test_info_health_tokenize_and_models(gateway_url: str) -> None:
-    info = httpx.get(f"{gateway_url}/info").json()
+    info = httpx.get(f"{gateway_url}/info", timeout=CLIENT_TIMEOUT).json()
     validate("tgi", "Info", info)
     assert info["model_id"] == "smollm2" and info["max_input_tokens"] == 1024 and info["max_total_tokens"] == 2048
-    health = httpx.get(f"{gateway_url}/health")
+    health = httpx.get(f"{gateway_url}/health", timeout=CLIENT_TIMEOUT)
     assert health.status_code == 200 and health.content == b""
-    tokens = httpx.post(f"{gateway_url}/tokenize", json={"inputs": "héllo world"}).json()
+    tokens = httpx.post(f"{gateway_url}/tokenize", json={"inputs": "héllo world"}, timeout=CLIENT_TIMEOUT).json()
     validate("tgi", "TokenizeResponse", tokens)
     raw = "héllo world".encode()
     assert b"".join(raw[t["start"]:t["stop"]] for t in tokens) == raw  # byte offsets that tile the input
-    models = httpx.get(f"{gateway_url}/v1/models").json()
+    models = httpx.get(f"{gateway_url}/v1/models", timeout=CLIENT_TIMEOUT).json()
     assert models == {"object": "list", "data": [{"id": "smollm2", "object": "model", "created": 0,
                                                   "owned_by": "llm-gateway"}]}
 
@@ -142,7 +147,8 @@ TGI_BAD = [
     ("/generate", b'{"inputs": "x", "parameters": {"best_of": 2}}', 422, "you must use sampling when `best_of`"),
     ("/generate", b'{"inputs": "x", "parameters": {"best_of": 9, "do_sample": true}}', 422, "`best_of` must be > 0"),
     ("/generate", b'{"inputs": "x", "parameters": {"truncate": 0}}', 422, "`truncate` must be strictly positive"),
-    ("/generate", b'{"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {}}}}', 422, "grammar"),
+    ("/generate", b'{"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {}}}}', 422,
+     "grammar is not valid: Grammar must have a 'properties' field"),
     ("/generate", ("{\"inputs\": \"" + "word " * 1100 + "\"}").encode(), 422, "`inputs` must have less than 1024"),
     ("/generate", ("{\"inputs\": \"" + "word " * 1000 + "\", \"parameters\": {\"max_new_tokens\": 1100}}").encode(),
      422, "`inputs` tokens + `max_new_tokens` must be <= 2048"),
@@ -154,7 +160,8 @@ TGI_BAD = [
 
 @pytest.mark.parametrize(("path", "body", "status", "needle"), TGI_BAD, ids=[f"{p} {n}"[:60] for p, _, _, n in TGI_BAD])
 def test_tgi_bad_input_gets_tgi_errors(gateway_url: str, path: str, body: bytes, status: int, needle: str) -> None:
-    r = httpx.post(gateway_url + path, content=body, headers={"content-type": "application/json"})
+    r = httpx.post(gateway_url + path, content=body, headers={"content-type": "application/json"},
+                   timeout=CLIENT_TIMEOUT)
     assert r.status_code == status, r.text
     payload = r.json()
     assert set(payload) == {"error", "error_type"} and needle in payload["error"]
@@ -181,10 +188,10 @@ OPENAI_BAD = [
     ("/v1/chat/completions", f'{{{CHAT}, "stop": ["a","b","c","d","e"]}}'.encode(), 400, "stop", "up to 4"),
     ("/v1/chat/completions", f'{{{CHAT}, "top_logprobs": 50, "logprobs": true}}'.encode(), 400, "top_logprobs",
      "<= 20"),
-    ("/v1/chat/completions", f'{{{CHAT}, "tools": [{{"type": "function", "function": {{"name": "f"}}}}]}}'.encode(),
-     400, "tools", "not supported"),
-    ("/v1/chat/completions", f'{{{CHAT}, "response_format": {{"type": "json_object"}}}}'.encode(), 400,
-     "response_format", "not supported"),
+    ("/v1/chat/completions", f'{{{CHAT}, "tools": [{{"type": "custom", "custom": {{"name": "f"}}}}]}}'.encode(),
+     400, "tools[0].type", "not supported"),
+    ("/v1/chat/completions", f'{{{CHAT}, "response_format": {{"type": "json_schema", "json_schema": '
+     f'{{"name": "x"}}}}}}'.encode(), 400, "response_format.json_schema.schema", "must be set"),
     ("/v1/chat/completions", b'{"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "image_url",'
      b' "image_url": {"url": "http://x"}}]}]}', 400, "messages[0].content[0]", "not supported"),
     ("/v1/chat/completions", f'{{{CHAT}, "logit_bias": {{"5": 10}}}}'.encode(), 400, "logit_bias", "not supported"),
@@ -203,7 +210,8 @@ OPENAI_BAD = [
                          ids=[f"{p} {n}"[:60] for p, _, _, _, n in OPENAI_BAD])
 def test_openai_bad_input_gets_openai_errors(gateway_url: str, path: str, body: bytes, status: int,
                                              param: str | None, needle: str) -> None:
-    r = httpx.post(gateway_url + path, content=body, headers={"content-type": "application/json"})
+    r = httpx.post(gateway_url + path, content=body, headers={"content-type": "application/json"},
+                   timeout=CLIENT_TIMEOUT)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and needle in error["message"], error
@@ -212,15 +220,15 @@ def test_openai_bad_input_gets_openai_errors(gateway_url: str, path: str, body: 
 
 
 def test_unknown_route_and_wrong_method_keep_the_protocol_shape(gateway_url: str) -> None:
-    tgi = httpx.get(f"{gateway_url}/generate")
+    tgi = httpx.get(f"{gateway_url}/generate", timeout=CLIENT_TIMEOUT)
     assert tgi.status_code == 405 and set(tgi.json()) == {"error", "error_type"}
-    oai = httpx.get(f"{gateway_url}/v1/nothing")
+    oai = httpx.get(f"{gateway_url}/v1/nothing", timeout=CLIENT_TIMEOUT)
     assert oai.status_code == 404 and set(oai.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_oversized_body_is_refused_with_413(gateway_url: str) -> None:
     r = httpx.post(f"{gateway_url}/generate", content=b'{"inputs": "' + b"x" * 2_100_000 + b'"}',
-                   headers={"content-type": "application/json"})
+                   headers={"content-type": "application/json"}, timeout=CLIENT_TIMEOUT)
     assert r.status_code == 413 and set(r.json()) == {"error", "error_type"}
 
 

@@ -33,7 +33,9 @@ def start_vllm(model_dir: Path) -> None:
     log = tempfile.NamedTemporaryFile("w", prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(
         [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
-         SERVED_NAME, "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "4096"],
+         SERVED_NAME, "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "4096",
+         # tool calling: `required` and named tool choices are grammar-forced once a parser is set
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"})
     _server.update(proc=proc, url=f"http://127.0.0.1:{port}", log=log.name)
 

@@ -10,13 +10,38 @@ from msgspec import UNSET, Meta, UnsetType
 UInt = Annotated[int, Meta(ge=0)]
 
 
+class JsonGrammar(msgspec.Struct, tag_field="type", tag="json"):
+    value: Any  # a schema object, or a JSON text of one (re-parsed); anything else: "grammar is not supported"
+
+
+class JsonObjectGrammar(msgspec.Struct, tag_field="type", tag="json_object"):
+    value: Any  # TGI's serde alias of `json`: the same `value`, which is required here too
+
+
+class RegexGrammar(msgspec.Struct, tag_field="type", tag="regex"):
+    value: str
+
+
+class JsonSchemaConfig(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    schema: Any  # TGI's JsonSchemaConfig has no `strict`: one sent is ignored, as there
+
+
+class JsonSchemaGrammar(msgspec.Struct, tag_field="type", tag="json_schema"):
+    value: JsonSchemaConfig
+
+
+# TGI's `#[serde(tag = "type", content = "value")] enum GrammarType` (router/src/lib.rs)
+GrammarType = JsonGrammar | JsonObjectGrammar | RegexGrammar | JsonSchemaGrammar
+
+
 class GenerateParameters(msgspec.Struct, kw_only=True):
     best_of: UInt | None = None
     decoder_input_details: bool = False
     details: bool = False
     do_sample: bool = False
     frequency_penalty: float | None = None
-    grammar: Any | None = None
+    grammar: GrammarType | None = None
     max_new_tokens: UInt | None = None
     repetition_penalty: float | None = None
     return_full_text: bool | None = None
@@ -122,3 +147,5 @@ class Info(msgspec.Struct, kw_only=True):
     sha: str | None = None
     docker_label: str | None = None
     config_version: str | None = None  # llm-gateway's: the active config (as in x-config-version)
+    model_dtype: str | None = None  # as older TGIs reported it; the engine's weights dtype
+    dtype_reason: str | None = None  # llm-gateway's: why that dtype ("auto: the CPU has native bf16 ...")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -20,6 +21,7 @@ from gateway.errors import GatewayError
 from gateway.generation import (
     Collected,
     Served,
+    Wrap,
     gather_all,
     generate_whole,
     merge,
@@ -27,8 +29,10 @@ from gateway.generation import (
     tokenize_prompt,
     unless_disconnected,
 )
+from gateway.openai_constraints import asked_constraint, openai_route
 from gateway.openai_params import (
     FINISH_REASONS,
+    chat_finish_reason,
     chat_messages,
     check_chat_features,
     check_common,
@@ -60,6 +64,10 @@ from gateway.router import ModelRoute
 from gateway.sse import DONE, sse_event, with_keepalive
 from gateway.state import Gateway
 from gateway.telemetry.record import current_record
+from gateway.tools.calls import parsed
+from gateway.tools.plan import ChatPlan, plan_chat
+from gateway.tools.request import tool_request
+from gateway.tools.wire import call_chunks, calls_out
 
 FINGERPRINT = f"llm-gateway-{__version__}"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -105,36 +113,48 @@ class OpenAIController(Controller):
         check_common(data, server)
         check_chat_features(data)
         messages = chat_messages(data)
-        prompt, ids, native = None, None, route.backend.info().accepts_chat_messages
-        if not native:
-            prompt = route.render_chat(messages, add_generation_prompt=data.add_generation_prompt)
-            ids = await tokenize_prompt(route, prompt, add_special_tokens=False)
+        plan = plan_chat(route, messages, tool_request(data), asked_constraint(data), data.add_generation_prompt)
+        route = plan.route
+        ids = None if plan.prompt is None else await tokenize_prompt(route, plan.prompt, add_special_tokens=False)
         n_input = len(ids) if ids is not None else None
         new = max_new_tokens(route, data.max_completion_tokens or data.max_tokens, n_input,
                              "max_completion_tokens" if data.max_completion_tokens else "max_tokens")
         check_context(route, n_input, new, "messages", "messages")
         want_logprobs = bool(data.logprobs)
-        core = core_request(data, route, server, prompt=prompt, ids=ids, messages=messages if native else None,
-                            new_tokens=new, logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0,
-                            traceparent=request.headers.get("traceparent"))
+        core = plan.apply(core_request(
+            data, route, server, prompt=plan.prompt, ids=ids, messages=plan.messages, new_tokens=new,
+            logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0, traceparent=request.headers.get("traceparent"),
+            constraint=plan.constraint))
         requests = _copies(core, data.n or 1)
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        wrap = _tool_parsing(plan)
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            admission, served = await _start_streams(gateway, route, requests)
+            with _blamed(plan.blame):
+                admission, served = await _start_streams(gateway, route, requests)
+            if wrap is not None:
+                for s in served:
+                    s.events = wrap(s.events)
             events = self._chat_stream(admission, served, data.model or route.name, response_id, created,
-                                       want_logprobs, include_usage)
+                                       want_logprobs, include_usage, plan)
             return await _stream_response(events, served, route)
         async with gateway.admit(route):
-            results = await unless_disconnected(
-                request.receive, gather_all([generate_whole(gateway, route, r) for r in requests]))
-        choices = [ChatChoice(index=i, message=ResponseMessage(role="assistant", content=r.text),
-                              logprobs=_chat_logprobs(r.events) if want_logprobs else None,
-                              finish_reason=FINISH_REASONS[str(r.last.finish_reason)])
-                   for i, r in enumerate(results)]
+            with _blamed(plan.blame):
+                results = await unless_disconnected(
+                    request.receive, gather_all([generate_whole(gateway, route, r, wrap) for r in requests]))
+        choices = [self._chat_choice(i, r, want_logprobs, plan.named) for i, r in enumerate(results)]
         body = ChatCompletionResponse(id=response_id, created=created, model=data.model or route.name,
                                       choices=choices, usage=self._total_usage(results), system_fingerprint=FINGERPRINT)
         return Response(body, status_code=200, headers=route.served_headers(results[0].backend))
+
+    @staticmethod
+    def _chat_choice(index: int, r: Collected, want_logprobs: bool, named: bool) -> ChatChoice:
+        calls = r.tool_calls
+        message = ResponseMessage(role="assistant", content=r.text if r.text.strip() or not calls else None)
+        if calls:
+            message.tool_calls = calls_out(calls)
+        return ChatChoice(index=index, message=message, logprobs=_chat_logprobs(r.events) if want_logprobs else None,
+                          finish_reason=chat_finish_reason(str(r.last.finish_reason), bool(calls), named))
 
     @staticmethod
     def _total_usage(results: list[Collected]) -> UsageOut:
@@ -143,15 +163,24 @@ class OpenAIController(Controller):
 
     @staticmethod
     def _chat_stream(admission: Admission, served: list[Served], model: str, response_id: str, created: int,
-                     want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
+                     want_logprobs: bool, include_usage: bool, plan: ChatPlan) -> AsyncIterator[bytes]:
         chunk = _chunker(ChatCompletionChunk, response_id, created, model, include_usage)
+        tools = plan.native is not None or plan.parsed is not None
+        called: set[int] = set()  # the choices that made calls
 
         def render(index: int, e: TokenEvent) -> bytes | None:
+            out = b""
+            if e.tool_calls:
+                called.add(index)
+                out = b"".join(chunk([ChunkChoice(index=index, delta=Delta(tool_calls=[c]), logprobs=None,
+                                                  finish_reason=None)]) for c in call_chunks(e.tool_calls))
             if not e.text and not e.finished and not want_logprobs:
-                return None  # nothing to show yet (a held-back stop prefix or half a character)
-            finish = FINISH_REASONS[str(e.finish_reason)] if e.finished else None
-            return chunk([ChunkChoice(index=index, delta=Delta(content=e.text),
-                                      logprobs=_chat_logprobs([e]) if want_logprobs else None, finish_reason=finish)])
+                return out or None  # nothing to show yet (a held-back stop prefix, markup, or half a character)
+            finish = chat_finish_reason(str(e.finish_reason), index in called, plan.named) if e.finished else None
+            content = e.text if e.text or not tools else None  # null, not "", beside calls
+            return out + chunk([ChunkChoice(index=index, delta=Delta(content=content),
+                                            logprobs=_chat_logprobs([e]) if want_logprobs else None,
+                                            finish_reason=finish)])
 
         return _sse(admission, served, render, (lambda u: chunk([], u)) if include_usage else None,
                     choices_per_prompt=len(served))
@@ -165,6 +194,8 @@ class OpenAIController(Controller):
         server = gateway.config.server
         check_common(data, server)
         prompts = completion_prompts(data)
+        asked = asked_constraint(data)
+        route = openai_route(route, asked)
         if data.echo and any(not isinstance(p, str) for p in prompts):
             raise GatewayError("`echo` with token-id prompts is not supported", param="echo")
         n = data.n or 1
@@ -177,20 +208,24 @@ class OpenAIController(Controller):
             check_context(route, n_input, new, "prompt", "prompt")
             core = core_request(data, route, server, prompt=p if isinstance(p, str) else None, ids=ids, messages=None,
                                 new_tokens=new, logprobs=data.logprobs is not None, top_logprobs=data.logprobs or 0,
-                                traceparent=request.headers.get("traceparent"))
+                                traceparent=request.headers.get("traceparent"),
+                                constraint=asked.constraint if asked is not None else None)
             requests += _copies(core, n)
             echoes += [p if data.echo and isinstance(p, str) else ""] * n
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         model = data.model or route.name
+        blame = asked.param if asked is not None else None
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            admission, served = await _start_streams(gateway, route, requests)
+            with _blamed(blame):
+                admission, served = await _start_streams(gateway, route, requests)
             events = self._completion_stream(admission, served, echoes, model, response_id, created,
                                              data.logprobs, include_usage, n)
             return await _stream_response(events, served, route)
         async with gateway.admit(route):
-            results = await unless_disconnected(
-                request.receive, gather_all([generate_whole(gateway, route, r) for r in requests]))
+            with _blamed(blame):
+                results = await unless_disconnected(
+                    request.receive, gather_all([generate_whole(gateway, route, r) for r in requests]))
         choices = [CompletionChoice(index=i, text=echoes[i] + r.text,
                                     logprobs=self._legacy_logprobs(r.events, len(echoes[i]))
                                     if data.logprobs is not None else None,
@@ -231,6 +266,25 @@ class OpenAIController(Controller):
                     for i, echo in enumerate(echoes) if echo]
         return _sse(admission, served, render, (lambda u: chunk([], u)) if include_usage else None,
                     choices_per_prompt=n, preamble=preamble)
+
+
+@contextlib.contextmanager
+def _blamed(param: str | None) -> Iterator[None]:
+    """A backend's validation error names no field; with a constraint asked, the constraint is what it
+    refused (the door checked everything else first): OpenAI's `param` names the field that asked."""
+    try:
+        yield
+    except GatewayError as err:
+        if param is not None and err.kind == "validation" and err.param is None:
+            err.param = param
+        raise
+
+
+def _tool_parsing(plan: ChatPlan) -> Wrap | None:
+    """The gateway's tool-call parser over each choice's events (its own parser per choice)."""
+    if plan.parsed is None:
+        return None
+    return lambda events: parsed(events, plan.parser())  # type: ignore[arg-type]
 
 
 def _chunker(kind: type[ChatCompletionChunk] | type[CompletionResponse], response_id: str, created: int, model: str,

@@ -169,8 +169,8 @@ class TgiController(Controller):
                                    traceparent=request.headers.get("traceparent"))
             validated = time.perf_counter()
             _note_validation(started, validated)
-            response, result = await unless_disconnected(request.receive, _generate(gw, route, v))
-        headers = _timing_headers(started, validated, result, data.inputs) | route.served_headers(result.backend)
+            response, result = await unless_disconnected(request.receive, _generate(gw, v.route, v))
+        headers = _timing_headers(started, validated, result, data.inputs) | v.route.served_headers(result.backend)
         return Response([response] if compat else response, headers=headers, status_code=200)
 
     async def _stream_response(self, gw: Gateway, route: ModelRoute, data: GenerateRequest, compat: bool,
@@ -184,6 +184,7 @@ class TgiController(Controller):
             admission = await gw.enter(route)
         except GatewayError as err:  # TGI streams start before validation: errors arrive as events
             return Stream(_error_stream(err), media_type="text/event-stream", headers=headers, status_code=200)
+        route = v.route
         try:
             served = await start(gw, route, v.core)  # the first token decides who serves (x-backend)
         except BaseException as exc:
@@ -243,7 +244,9 @@ class TgiController(Controller):
     async def info(self, gateway: Gateway) -> Info:
         route = gateway.router.require(None)
         server = gateway.config.server
-        return Info(model_id=route.name, max_concurrent_requests=server.max_concurrent_requests,
+        dtype = getattr(route.backend, "dtype", lambda: None)()  # only the engine knows its weights' dtype
+        return Info(model_id=route.name, model_dtype=dtype[0] if dtype else None,
+                    dtype_reason=dtype[1] if dtype else None, max_concurrent_requests=server.max_concurrent_requests,
                     max_best_of=server.max_best_of, max_stop_sequences=server.max_stop_sequences,
                     max_input_tokens=route.max_input_tokens, max_total_tokens=route.max_total_tokens,
                     max_client_batch_size=server.max_client_batch_size, version=__version__,
@@ -259,6 +262,10 @@ class TgiController(Controller):
 
 
 def _readiness(gateway: Gateway) -> Response:
+    """200, or TGI's 503 body plus what is not ready: each backend's state (a starting engine names its
+    step: "starting: loading weights from ... (3 s so far)") and whether the server is draining."""
     if gateway.healthy():
         return Response(b"", status_code=200, media_type="text/plain")
-    raise GatewayError("unhealthy", kind="healthcheck")
+    body = {"error": "unhealthy", "error_type": "healthcheck", "draining": gateway.draining,
+            "backends": gateway.backend_states()}
+    return Response(msgspec.json.encode(body), status_code=503, media_type="application/json")
