@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine_core import LLMEngine, RequestOutput, SamplingParams
 from engine_core.model_runner import PreparedBatch
+
+
+@pytest.fixture(autouse=True)
+def all_blocks_free_after_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Imported by an engine test module: after each test using its `engine`, nothing runs and no block is held."""
+    yield
+    if "engine" in request.fixturenames:
+        engine = request.getfixturevalue("engine")
+        assert not engine.has_unfinished() and engine.block_manager.check_all_free()
+
+
+def chat(engine: LLMEngine, text: str) -> str:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True)
 
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],

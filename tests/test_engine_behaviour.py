@@ -10,26 +10,13 @@ import torch
 
 from engine_core import EngineConfig, LLMEngine, RequestError, SamplingParams
 from engine_core.detokenizer import IncrementalDetokenizer
-from tests.engine_helpers import random_prompts, run_staggered
+from tests.engine_helpers import all_blocks_free_after_each_test, chat, random_prompts, run_staggered  # noqa: F401
 
 
 @pytest.fixture(scope="module")
 def engine(smollm_dir: Path) -> Iterator[LLMEngine]:
     engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="float32", num_blocks=400, max_num_batched_tokens=256))
     yield engine
-
-
-@pytest.fixture(autouse=True)
-def _all_blocks_free_after_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "engine" in request.fixturenames:
-        engine = request.getfixturevalue("engine")
-        assert not engine.has_unfinished() and engine.block_manager.check_all_free()
-
-
-def chat(engine: LLMEngine, text: str) -> str:
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                add_generation_prompt=True)
 
 
 def text_of(outputs) -> str:

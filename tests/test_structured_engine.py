@@ -20,7 +20,7 @@ from engine_core.sequence import Sequence
 from engine_core.structured import StructuredOutputsParams as Structured
 from engine_core.structured.matcher import GrammarState
 from tests.conftest import build_tiny_model
-from tests.engine_helpers import run_staggered
+from tests.engine_helpers import all_blocks_free_after_each_test, chat, run_staggered  # noqa: F401
 
 SCHEMAS: dict[str, dict] = {  # strings and numbers are bounded, so every output completes within the budget
     "nested": {"type": "object", "properties": {"user": {"type": "object", "properties": {
@@ -69,19 +69,6 @@ def tiny_engine(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> L
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny-padded"), smollm_dir, vocab_size=49152 + 64)
     return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=2000, max_num_seqs=400,
                                   max_num_batched_tokens=2048))
-
-
-@pytest.fixture(autouse=True)
-def _all_blocks_free_after_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "engine" in request.fixturenames:
-        engine = request.getfixturevalue("engine")
-        assert not engine.has_unfinished() and engine.block_manager.check_all_free()
-
-
-def chat(engine: LLMEngine, text: str) -> str:
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                add_generation_prompt=True)
 
 
 def text_of(outputs: list[RequestOutput]) -> str:
