@@ -69,9 +69,9 @@ class MaskTimer:
     def __enter__(self) -> MaskTimer:
         timer, original = self, self._apply
 
-        def timed(mask: TokenBitmask, logits: torch.Tensor, seqs: Any) -> None:
+        def timed(mask: TokenBitmask, logits: torch.Tensor, seqs: Any, **options: Any) -> None:
             started = time.perf_counter()
-            original(mask, logits, seqs)
+            original(mask, logits, seqs, **options)
             timer.seconds += time.perf_counter() - started
             timer.calls += 1
 

@@ -105,7 +105,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [len(seqs), vocab] in the model's dtype, one row per sequence that samples this step.
         Constrained rows are masked in place first, so every path below, the greedy one too, sees the mask."""
-        self.bitmask.apply(logits, seqs)
+        self.bitmask.apply(logits, seqs, argmax_only=_plain_greedy)
         if all(_plain_greedy(s) for s in seqs):
             # the common case needs neither an fp32 copy of the logits nor anything but the argmax; max()
             # returns the same first index, and on CPU in bf16 it is ~6x faster than argmax()
