@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 CONFIG ?= config.toml
 
-.PHONY: install vllm-env run test test-fast lint bench
+.PHONY: install vllm-env run test test-fast lint bench image
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,3 +48,7 @@ test-fast: install lint
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py
+
+# the container image (CPU; VARIANT=cuda for torch's CUDA build) with docker or podman: README, Deployment
+image:
+	deploy/build-image.sh
