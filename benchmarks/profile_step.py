@@ -2,6 +2,9 @@
 (prepare, forward, logits, sample, postprocess) and profiled by op with torch.profiler.
 
     .venv/bin/python benchmarks/profile_step.py --batch 1 32 128 --dtype bfloat16 --threads 2
+    # what the fused layer ops buy: their steps against torch ops', alternating, in one run; on an AVX2 CPU's path:
+    LLMGW_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/profile_step.py \
+        --dtype float32 --compare-ops
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_throughput import random_prompts  # noqa: E402
 from engine_core import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine_core.cpu_features import cpu_features  # noqa: E402
 from engine_core.loader import resolve_model_dir  # noqa: E402
+from engine_core.models.layer_ops import TorchLayerOps  # noqa: E402
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int) -> dict[str, float]:
@@ -62,11 +67,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=160)
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops")
+    parser.add_argument("--compare-ops", action="store_true",
+                        help="time steps with the model's layer ops and with torch ops, alternating")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=str(resolve_model_dir("embedded")), dtype=args.dtype,
                                     max_num_seqs=max(args.batch), kv_cache_bytes=2 * 1024**3,
                                     num_threads=args.threads))
-    print(f"torch threads: {torch.get_num_threads()}, dtype {args.dtype}")
+    print(f"CPU: {cpu_features().describe()}; torch threads: {torch.get_num_threads()}, dtype {args.dtype}, "
+          f"layer ops {type(engine.model.ops).__name__}, attention {engine.model.attention.name}")
+    if args.compare_ops:
+        compare_ops(engine, args)
+        return
     for batch in args.batch:
         phases = decode_steps(engine, batch, args.steps, args.prompt_len)
         total = sum(phases.values())
@@ -77,6 +88,21 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 decode_steps(engine, batch, 5, args.prompt_len)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+def compare_ops(engine: LLMEngine, args: argparse.Namespace) -> None:
+    """The median step with the model's own layer ops and with torch ops, 3 rounds alternating; best of each."""
+    model = engine.model
+    own, reference = model.ops, TorchLayerOps(model.rope, model.args.rms_norm_eps)
+    for batch in args.batch:
+        best = {"model": float("inf"), "torch": float("inf")}
+        for _ in range(3):
+            for name, ops in (("model", own), ("torch", reference)):
+                model.ops = ops
+                best[name] = min(best[name], sum(decode_steps(engine, batch, args.steps, args.prompt_len).values()))
+        model.ops = own
+        print(f"batch {batch}: step {best['model']:.2f} ms with {type(own).__name__}, {best['torch']:.2f} ms with "
+              f"TorchLayerOps: {best['torch'] / best['model']:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

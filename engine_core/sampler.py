@@ -98,18 +98,32 @@ def processed_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
+    """`lazy_masks`: a constrained row whose choice does not depend on the rest of the distribution
+    (greedy, or a plain temperature draw; no logprobs, truncation or pending min_tokens) is chosen
+    unmasked first, and masked and chosen again only if its grammar refuses that choice. This is exact:
+    the unmasked argmax, and the winner of the exponential race with the same noise, are the masked ones
+    too whenever the grammar allows them. It skips the mask (~0.2 ms a row on CPU) for most rows."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...], lazy_masks: bool = True) -> None:
         self.eos_token_ids = eos_token_ids
         self.bitmask = TokenBitmask()
+        self.lazy_masks = lazy_masks
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [len(seqs), vocab] in the model's dtype, one row per sequence that samples this step.
-        Constrained rows are masked in place first, so every path below, the greedy one too, sees the mask."""
-        self.bitmask.apply(logits, seqs, argmax_only=_plain_greedy)
+        Constrained rows are masked in place first (or, when lazy, after a refused choice), so every path
+        below, the greedy one too, returns a token the grammar allows."""
+        lazy, eager = self._split_constrained(seqs)
+        self.bitmask.mask_rows(logits, seqs, eager)
         if all(_plain_greedy(s) for s in seqs):
             # the common case needs neither an fp32 copy of the logits nor anything but the argmax; max()
             # returns the same first index, and on CPU in bf16 it is ~6x faster than argmax()
-            return SampleResult(logits.max(dim=-1).indices.tolist(), [None] * len(seqs), [[] for _ in seqs])
+            tokens = logits.max(dim=-1).indices
+            refused = _refused_choices(lazy, tokens, seqs)
+            if refused:
+                self.bitmask.mask_rows(logits, seqs, refused)
+                tokens[refused] = logits[refused].max(dim=-1).indices
+            return SampleResult(tokens.tolist(), [None] * len(seqs), [[] for _ in seqs])
         # penalties and masks write into this copy; on the host, where each sequence's seeded generator
         # lives, so a seed draws the same tokens on any device
         logits = logits.to("cpu", torch.float32, copy=True)
@@ -119,16 +133,12 @@ class Sampler:
         apply_min_tokens(logits, seqs, self.eos_token_ids)
         apply_penalties(logits, seqs)
 
-        tokens = logits.argmax(dim=-1)
-        sampling_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampling_rows:
-            rows = torch.tensor(sampling_rows)
-            probs = processed_logits(logits[rows], [seqs[i] for i in sampling_rows]).softmax(dim=-1)
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(sampling_rows):
-                noise[j].exponential_(generator=seqs[i].generator)
-            # exponential race: argmax(p / E) with E ~ Exp(1) draws from p (no multinomial sync)
-            tokens[rows] = (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
+        noise = _race_noise(logits, seqs)
+        tokens = _choose(logits, seqs, list(range(len(seqs))), noise)
+        refused = _refused_choices(lazy, tokens, seqs)
+        if refused:  # penalties and min_tokens only lower logits: masking after them gives the same row
+            self.bitmask.mask_rows(logits, seqs, refused)
+            tokens[refused] = _choose(logits, seqs, refused, noise)
 
         token_list = tokens.tolist()
         chosen: list[float | None] = [None] * len(seqs)
@@ -143,6 +153,53 @@ class Sampler:
                     values, ids = raw_logprobs[i].topk(n)
                     tops[i] = [TokenLogprob(t, v) for t, v in zip(ids.tolist(), values.tolist())]
         return SampleResult(token_list, chosen, tops)
+
+    def _split_constrained(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        lazy: list[int] = []
+        eager: list[int] = []
+        for i, seq in enumerate(seqs):
+            if seq.grammar is not None:
+                (lazy if self.lazy_masks and _choice_ignores_the_rest(seq) else eager).append(i)
+        return lazy, eager
+
+
+def _race_noise(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
+    """Each sampling row's Exp(1) noise, drawn once from its own generator (a re-choice reuses it)."""
+    noise = {}
+    for i, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            noise[i] = torch.empty(logits.shape[1], dtype=logits.dtype).exponential_(generator=seq.generator)
+    return noise
+
+
+def _choose(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+            noise: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The tokens of `rows`: the argmax for greedy rows, the exponential race for sampling ones."""
+    tokens = (logits if len(rows) == logits.shape[0] else logits[rows]).argmax(dim=-1)
+    sampling = [j for j, i in enumerate(rows) if i in noise]
+    if sampling:
+        picked = [rows[j] for j in sampling]
+        probs = processed_logits(logits[picked], [seqs[i] for i in picked]).softmax(dim=-1)
+        race = torch.stack([noise[i] for i in picked]).clamp_min_(1e-10)
+        # exponential race: argmax(p / E) with E ~ Exp(1) draws from p (no multinomial sync)
+        tokens[sampling] = (probs / race).argmax(dim=-1)
+    return tokens
+
+
+def _refused_choices(lazy: list[int], tokens: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """Offer each lazy row's choice to its grammar (accepting it there); return the rows it refused."""
+    if not lazy:
+        return []
+    chosen = tokens[lazy].tolist()
+    return [i for i, token in zip(lazy, chosen) if not seqs[i].grammar.try_accept(token)]  # type: ignore[union-attr]
+
+
+def _choice_ignores_the_rest(seq: Sequence) -> bool:
+    """The row's choice is the same masked or not whenever the grammar allows it: greedy, or a draw
+    from the temperature-scaled distribution only (truncations and logprobs read the whole row)."""
+    p = seq.params
+    return (p.logprobs is None and seq.num_output_tokens >= p.min_tokens
+            and (p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and p.typical_p >= 1.0)))
 
 
 def _plain_greedy(seq: Sequence) -> bool:

@@ -87,7 +87,7 @@ print("TOKENS", [o.token_id for o in out])
 
 def test_a_cpu_without_avx512_takes_the_avx2_build_and_logs_the_path(smollm_dir) -> None:  # type: ignore[no-untyped-def]
     """Forced bf16 on an AVX2-only CPU: the kernels are compiled for x86-64-v3 (no AVX-512 code, which
-    would crash there), the fused layer ops (AVX-512 BF16 only) give way to torch's, and the log says all
+    would crash there), the bf16 fused layer ops (AVX-512 BF16 only) give way to torch's, and the log says all
     of it once, at start."""
     if "avx2" not in cpu_features().flags:
         pytest.skip("this CPU has no AVX2")
@@ -96,7 +96,8 @@ def test_a_cpu_without_avx512_takes_the_avx2_build_and_logs_the_path(smollm_dir)
     assert run.returncode == 0, run.stderr[-3000:]
     log = run.stdout
     assert "dtype bfloat16 (set in the config)" in log and "path avx2" in log
-    assert "-march=x86-64-v3 -O3 -ffast-math -fopenmp, compiled for avx2, kernels paged_decode\n" in log
+    assert ("-march=x86-64-v3 -O3 -ffast-math -fopenmp, compiled for avx2, kernels apply_token_bitmask_, "
+            "paged_decode, rms_norm_f32, rotary_f32_, silu_and_mul_f32\n") in log
     assert "ATTENTION cpu-paged OPS TorchLayerOps" in log
     assert log.count("compiled for avx2") == 1  # once, at start
     assert len(ast.literal_eval(log.split("TOKENS ")[1].strip())) == 8

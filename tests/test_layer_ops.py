@@ -46,7 +46,7 @@ def test_fused_rotary_matches_torch_and_touches_only_queries_and_keys(kernels, h
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
     positions = torch.randint(0, 2048, (tokens,))
     split = (heads + kv_heads) * head_dim
-    torch_ops, fused = TorchLayerOps(rope, 1e-5), FusedLayerOps(rope, 1e-5, kernels)
+    torch_ops, fused = TorchLayerOps(rope, 1e-5), FusedLayerOps(rope, 1e-5, kernels, torch.bfloat16)
     torch_ops.begin_step(positions)
     fused.begin_step(positions)
     want = torch_ops.rotate(qkv[:, :split].view(tokens, -1, head_dim)).float()

@@ -314,18 +314,25 @@ async def test_the_backend_maps_each_constraint_kind_and_refuses_a_bad_one(engin
         backend.engine.shutdown()
 
 
-def test_greedy_rows_skip_the_full_mask_only_when_it_changes_nothing(tiny_engine: LLMEngine) -> None:
-    """A plain-greedy constrained row is masked only when its top token is refused: the outputs equal
-    those with every row fully masked. Random weights put the top token outside the grammar often, so
-    both branches run."""
-    params = [SamplingParams(max_new_tokens=40, structured_outputs=c) for c in CASES]
-    prompts: list[str | list[int]] = [[1, 2, 3, 4, 5 + i] for i in range(len(CASES))]
-    quick = [[o.token_id for o in r] for r in tiny_engine.generate(prompts, params)]
-    bitmask = tiny_engine.runner.sampler.bitmask
-    apply = bitmask.apply
-    bitmask.apply = lambda logits, seqs, argmax_only=None: apply(logits, seqs)  # type: ignore[method-assign]
+def test_lazy_masks_choose_the_same_tokens_as_masking_every_row(tiny_engine: LLMEngine) -> None:
+    """A constrained row whose choice ignores the rest of the distribution (greedy, or a seeded plain
+    temperature draw) is masked only when the grammar refuses its unmasked choice: the outputs equal
+    those with every row masked first. Random weights put the choice outside the grammar often, so both
+    branches run; rows with truncation (top_p) and penalties are in the same batches."""
+    greedy = [SamplingParams(max_new_tokens=40, structured_outputs=c) for c in CASES]
+    sampled = [SamplingParams(max_new_tokens=40, structured_outputs=c, temperature=1.0, seed=7 + i)
+               for i, c in enumerate(CASES)]
+    mixed = [SamplingParams(max_new_tokens=40, structured_outputs=CASES[0], temperature=0.8, top_p=0.9, seed=3),
+             SamplingParams(max_new_tokens=40, structured_outputs=CASES[1], repetition_penalty=1.3),
+             SamplingParams(max_new_tokens=40, structured_outputs=CASES[2], temperature=1.0, seed=4,
+                            frequency_penalty=0.5)]
+    params = greedy + sampled + mixed
+    prompts: list[str | list[int]] = [[1, 2, 3, 4, 5 + i] for i in range(len(params))]
+    sampler = tiny_engine.runner.sampler
+    lazy = [[o.token_id for o in r] for r in tiny_engine.generate(prompts, params)]
+    sampler.lazy_masks = False
     try:
         full = [[o.token_id for o in r] for r in tiny_engine.generate(prompts, params)]
     finally:
-        bitmask.apply = apply  # type: ignore[method-assign]
-    assert quick == full
+        sampler.lazy_masks = True
+    assert lazy == full

@@ -1,9 +1,14 @@
-// One extension module for the CPU kernels: paged decode attention always, the fused layer ops where
-// the CPU has AVX-512 BF16 (Python checks for them by name).
+// One extension module for the CPU kernels: paged decode attention, the grammar bitmask and the fp32 fused
+// layer ops always, the bf16 fused layer ops where the CPU has AVX-512 BF16 (Python checks for them by name).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                            torch::Tensor seq_lens, double scale);
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, std::vector<int64_t> rows);
+torch::Tensor rms_norm_f32(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                           double eps);
+void rotary_f32_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_and_mul_f32(torch::Tensor gate_up);
 #if defined(__AVX512BF16__)
 torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
@@ -28,6 +33,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("compiled_isa", &compiled_isa, "the vector ISA this build targets");
   m.def("paged_decode", &paged_decode, "paged decode attention over a block-paged KV cache (CPU)", release());
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, "a grammar's token bitmask applied to rows of logits",
+        release());
+  m.def("rms_norm_f32", &rms_norm_f32, "RMSNorm, with an optional residual add in place (fp32)", release());
+  m.def("rotary_f32_", &rotary_f32_, "rotary embeddings in place, rotate-half layout (fp32)", release());
+  m.def("silu_and_mul_f32", &silu_and_mul_f32, "silu(gate) * up over a fused [T, 2I] projection (fp32)",
+        release());
 #if defined(__AVX512BF16__)
   m.def("rms_norm", &rms_norm, "RMSNorm, with an optional residual add in place (bf16)", release());
   m.def("rotary_", &rotary_, "rotary embeddings in place, rotate-half layout (bf16)", release());

@@ -56,8 +56,8 @@ class LlamaModel:
         self.lm_head = Linear(self.embed if tied else lm_head.to(device=device, dtype=dtype))
         self.layers = [LlamaLayer(state, f"model.layers.{i}.", args, dtype, device) for i in range(args.num_layers)]
         self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, dtype, device)
-        kernels = cpu_kernels() if fused_ops and dtype == torch.bfloat16 and device.type == "cpu" else None
-        self.ops = (FusedLayerOps(self.rope, args.rms_norm_eps, kernels)
+        kernels = cpu_kernels() if fused_ops and device.type == "cpu" else None
+        self.ops = (FusedLayerOps(self.rope, args.rms_norm_eps, kernels, dtype)
                     if FusedLayerOps.supports(kernels, dtype, args.hidden_size, args.head_dim, args.intermediate_size)
                     else TorchLayerOps(self.rope, args.rms_norm_eps))
         # the norm that follows each layer: the next layer's input norm, the final norm after the last

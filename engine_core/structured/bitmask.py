@@ -2,16 +2,18 @@
 
 Called on the logits straight from compute_logits, before penalties, min_tokens and sampling (vLLM's
 order), so greedy, sampling and logprobs all see the masked distribution. Unconstrained rows in the
-same step are not touched.
+same step are not touched. The sampler may also call it after choosing, for the rows whose choice the
+grammar refused (see `Sampler`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 import torch
+
+from engine_core.cpu_kernels import cpu_kernels
 
 if TYPE_CHECKING:
     from engine_core.sequence import Sequence
@@ -23,13 +25,8 @@ class TokenBitmask:
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
 
-    def apply(self, logits: torch.Tensor, seqs: Seq[Sequence],
-              argmax_only: Callable[[Sequence], bool] = lambda s: False) -> None:
-        """Mask the constrained rows in place. A row whose sequence takes only the argmax (`argmax_only`:
-        plain greedy, no logprobs) is masked only when its top token is not allowed: the first maximum
-        is then the masked argmax too, exactly, and masking the whole vocab (most of the mask's cost at
-        batch 32) is skipped."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    def mask_rows(self, logits: torch.Tensor, seqs: Seq[Sequence], rows: list[int]) -> None:
+        """Fill the grammar masks of `rows` (indices into seqs and logits) and apply them in place."""
         if not rows:
             return
         import xgrammar as xgr
@@ -45,14 +42,10 @@ class TokenBitmask:
         for i in rows:
             seqs[i].grammar.fill(buffer, i)  # type: ignore[union-attr]
         mask = buffer[: len(seqs)]
-        greedy = [i for i in rows if argmax_only(seqs[i])]
-        if greedy:
-            top = logits[greedy].max(dim=-1).indices.to(mask.device)
-            allowed = (mask[greedy, top // 32] >> (top % 32)) & 1
-            refused = {i for i, ok in zip(greedy, allowed.tolist()) if not ok}
-            rows = [i for i in rows if i not in greedy or i in refused]
-            if not rows:
-                return
+        kernels = cpu_kernels() if logits.device.type == "cpu" and logits.is_contiguous() else None
+        if kernels is not None and hasattr(kernels, "apply_token_bitmask_"):
+            kernels.apply_token_bitmask_(logits, mask, rows)  # word by word: ~10x under xgrammar's CPU kernel
+            return
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)
         # xgrammar's native kernel on CPU (fp32/bf16/fp16), its Triton kernel on CUDA

@@ -15,18 +15,33 @@ class GrammarState:
     It lives on the Sequence, not in the KV cache, so preemption by recompute keeps it as it is: the
     recomputed tokens were accepted once already and the next sampled token continues from here."""
 
-    __slots__ = ("matcher", "rejected")
+    __slots__ = ("matcher", "rejected", "_accepted_ahead")
 
     def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.rejected = False  # a token the grammar refused was sampled: the sequence must end
+        self._accepted_ahead: int | None = None
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def try_accept(self, token_id: int) -> bool:
+        """Accept `token_id` now if the grammar allows it (the sampler's check of an unmasked choice);
+        a refused token leaves the matcher as it was. The step's `accept` of the same token is then a no-op."""
+        ok = bool(self.matcher.accept_token(token_id))
+        if ok:
+            self._accepted_ahead = token_id
+        return ok
+
     def accept(self, token_id: int) -> bool:
+        if self._accepted_ahead is not None:
+            ahead, self._accepted_ahead = self._accepted_ahead, None
+            if ahead == token_id:
+                return True
+            self.rejected = True  # cannot happen: the sampler returns the token it checked
+            return False
         ok = bool(self.matcher.accept_token(token_id))
         self.rejected = self.rejected or not ok
         return ok
