@@ -103,6 +103,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     tools: list[ToolFunction] = []  # only for backends that take chat natively; else rendered by the gateway
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    adapter: str | None = None  # a LoRA adapter by the name clients use (TGI adapter_id, OpenAI model); None: base
 
     @property
     def greedy(self) -> bool:
@@ -202,6 +203,10 @@ class UpstreamError(BackendError):
     kind = "upstream"
 
 
+class AdapterInUseError(BackendValidationError):
+    """A LoRA adapter cannot be unloaded while requests in flight use it (the admin routes answer 409)."""
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What every backend provides. `Settings` is the msgspec Struct of its config table."""
@@ -224,6 +229,18 @@ class Backend(Protocol):
     def info(self) -> BackendInfo: ...
 
     async def aclose(self) -> None: ...
+
+
+def refuse_adapter(name: str, type_name: str, request: GenerationRequest, adapters: dict[str, str]) -> str | None:
+    """The upstream's name for the request's adapter; a backend that does not serve it refuses (a 422: the
+    gateway routes adapters only to backends that list them, so this is a misrouted or stale request)."""
+    if request.adapter is None:
+        return None
+    upstream = adapters.get(request.adapter)
+    if upstream is None:
+        raise BackendValidationError(f"backend {name!r} ({type_name}) has no LoRA adapter {request.adapter!r}"
+                                     + (f" (it has: {sorted(adapters)})" if adapters else ""))
+    return upstream
 
 
 def describe(exc: BaseException) -> str:

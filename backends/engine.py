@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 import msgspec
 
 from backends.base import (
+    AdapterInUseError,
     BackendInfo,
     BackendUnavailableError,
     BackendValidationError,
@@ -24,6 +25,7 @@ from backends.base import (
 from backends.engine_constraint import ENGINE_CONSTRAINT_KINDS, structured_outputs
 from engine_core import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, RequestError, SamplingParams
 from engine_core import TokenLogprob as EngineLogprob
+from engine_core.lora import LoraError, LoraInUseError
 from engine_core.startup import StartupProgress
 
 
@@ -42,6 +44,22 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when torch sees a GPU
     cuda_graphs: bool = True  # CUDA only: decode steps replayed from graphs captured per batch size
+    lora_adapters: dict[str, str] = {}  # LoRA adapter name -> PEFT adapter directory, loaded at start
+    max_loras: int = 4  # distinct adapters in one engine step (requests of others wait a step)
+    max_lora_rank: int = 16  # adapters of a higher rank are refused
+    # "process": the engine runs in a worker process of its own (backends/engine_worker), so the gateway's event
+    # loop does not share a GIL with the step loop; "thread": in the gateway's process (tests, debugging)
+    workers: Literal["process", "thread"] = "process"
+    # replicas > 1: that many worker processes, each with its own KV cache and num_threads (default: the cores
+    # divided among them), behind one balancer (backends/pool/balance.py explains the policies)
+    replicas: int = 1
+    balance: Literal["round_robin", "least_load", "prefix"] = "prefix"
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("`replicas` must be >= 1")
+        if self.replicas > 1 and self.workers == "thread":
+            raise ValueError("`replicas` > 1 runs worker processes: it needs workers = \"process\"")
 
     def describe(self) -> str:
         """What `llmgw check-config` prints: the model and the dtype it would load, with the reason."""
@@ -49,7 +67,8 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             dtype, reason = self.engine_config().dtype_choice()
         except ValueError as exc:
             return f"model {self.model}; {exc}"
-        return f"model {self.model}, dtype {self.dtype} -> {str(dtype).removeprefix('torch.')} ({reason})"
+        served = f"model {self.model}, dtype {self.dtype} -> {str(dtype).removeprefix('torch.')} ({reason})"
+        return served + (f"; {self.replicas} worker processes, balance {self.balance}" if self.replicas > 1 else "")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
@@ -57,7 +76,8 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             enable_prefix_caching=self.enable_prefix_caching, num_threads=self.num_threads,
                             attention_backend=self.attention_backend, device=self.device,
-                            cuda_graphs=self.cuda_graphs)
+                            cuda_graphs=self.cuda_graphs, lora_adapters=dict(self.lora_adapters),
+                            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
 
 
 class EngineBackend:
@@ -128,7 +148,8 @@ class EngineBackend:
             seed=request.seed, max_new_tokens=request.max_new_tokens, min_tokens=request.min_tokens,
             ignore_eos=request.ignore_eos, stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
             logprobs=request.top_logprobs if (request.logprobs or request.top_logprobs) else None,
-            prompt_logprobs=request.prompt_logprobs, structured_outputs=structured_outputs(request.constraint))
+            prompt_logprobs=request.prompt_logprobs, structured_outputs=structured_outputs(request.constraint),
+            adapter=request.adapter)
         prompt: str | list[int] | None = request.prompt_token_ids or request.prompt
         if prompt is None:
             raise BackendValidationError("the engine backend needs a prompt; chat is rendered by the gateway")
@@ -160,6 +181,36 @@ class EngineBackend:
         decode = self.llm.tokenizer.decode
         first = [TokenLogprob(ids[0], decode([ids[0]]), None)]  # the first token has nothing to score it
         return first + [TokenLogprob(e.token_id, decode([e.token_id]), e.logprob) for e in scored]
+
+    # LoRA adapters (a worker-process engine forwards these three)
+
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters it serves: name -> directory (the configured ones until the engine is up)."""
+        if self.engine is None:
+            return dict(self.settings.lora_adapters)
+        return self.engine.engine.loras.paths()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Read and validate off the step thread, then register between two steps."""
+        llm = self.llm
+        if self.engine is None or not self.engine.alive:
+            raise BackendUnavailableError(self.load_error or "the model is not loaded")
+        try:
+            adapter = await asyncio.to_thread(llm.loras.read, name, path)
+            await self.engine.call(lambda engine: engine.add_adapter(adapter))
+        except LoraError as exc:
+            raise BackendValidationError(str(exc)) from None
+
+    async def unload_adapter(self, name: str) -> None:
+        """Refused with AdapterInUseError while requests in flight use it; they finish on it."""
+        if self.engine is None or not self.engine.alive:
+            raise BackendUnavailableError(self.load_error or "the model is not loaded")
+        try:
+            await self.engine.call(lambda engine: engine.unload_adapter(name))
+        except LoraInUseError as exc:
+            raise AdapterInUseError(str(exc)) from None
+        except LoraError as exc:
+            raise BackendValidationError(str(exc)) from None
 
     async def aclose(self) -> None:
         if self.engine is not None:

@@ -27,6 +27,7 @@ from backends.base import (
     TokenSpan,
     UpstreamError,
     Usage,
+    refuse_adapter,
 )
 from backends.constraints import (
     ALL_KINDS,
@@ -66,8 +67,12 @@ class OpenAISettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_o
     # (trtllm-serve enforces them only when started with a guided_decoding_backend)
     constraint_kinds: list[ConstraintKind] | None = None
     native_tools: bool = True  # False: the gateway does tool calling over plain messages
+    # LoRA adapters the upstream serves: the name clients use -> the upstream's model name for it (vLLM's
+    # --lora-modules name), so a migration keeps the clients' names
+    lora_adapters: dict[str, str] = {}
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         forms = CONSTRAINT_FORMS[self.flavor][0]
         extra = set(self.constraint_kinds or ()) - forms
         if extra:  # msgspec reports this as a config error at the field's table
@@ -113,11 +118,16 @@ class OpenAIBackend:
     async def aclose(self) -> None:
         await self.client.aclose()
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters it serves, by the clients' name (each maps to an upstream model name)."""
+        return dict(self.settings.lora_adapters)
+
     # requests
 
     def _sampling(self, r: GenerationRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.settings.model, "stream": True, "stream_options": {"include_usage": True},
+            "model": refuse_adapter(self.name, self.type_name, r, self.settings.lora_adapters) or self.settings.model,
+            "stream": True, "stream_options": {"include_usage": True},
             "temperature": r.temperature, "top_p": r.top_p if r.top_p < 1.0 else None, "seed": r.seed,
             "stop": list(r.stop) or None, "presence_penalty": r.presence_penalty or None,
             "frequency_penalty": r.frequency_penalty or None,

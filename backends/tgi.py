@@ -31,6 +31,7 @@ from backends.base import (
     TokenLogprob,
     TokenSpan,
     Usage,
+    refuse_adapter,
 )
 from backends.constraints import TGI_KINDS, refuse_unenforceable, tgi_grammar
 from backends.http import (
@@ -53,6 +54,9 @@ _VALIDATION_PREFIX = "Input validation error: "
 
 class TgiSettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
     type: str = "tgi"
+    # LoRA adapters the upstream was started with (LORA_ADAPTERS): the name clients use -> TGI's adapter_id.
+    # TGI itself runs an unknown adapter_id on the base model, silently; the gateway refuses it instead.
+    lora_adapters: dict[str, str] = {}
 
 
 class TgiBackend:
@@ -90,6 +94,10 @@ class TgiBackend:
     async def aclose(self) -> None:
         await self.client.aclose()
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters it serves, by the clients' name (each maps to a TGI adapter_id)."""
+        return dict(self.settings.lora_adapters)
+
     # requests
 
     def parameters(self, r: GenerationRequest) -> dict[str, Any]:
@@ -106,6 +114,7 @@ class TgiBackend:
             "details": True, "top_n_tokens": r.top_logprobs or None,
             "decoder_input_details": r.prompt_logprobs or None,
             "grammar": tgi_grammar(r.constraint, self.name) if r.constraint is not None else None,
+            "adapter_id": refuse_adapter(self.name, self.type_name, r, self.settings.lora_adapters),
         })
 
     def _chat_body(self, r: GenerationRequest) -> dict[str, Any]:
@@ -117,6 +126,8 @@ class TgiBackend:
             "presence_penalty": r.presence_penalty or None,
             "logprobs": True if (r.logprobs or r.top_logprobs) else None, "top_logprobs": r.top_logprobs or None,
             "response_format": tgi_grammar(r.constraint, self.name) if r.constraint is not None else None,
+            # TGI's chat takes the adapter as `model` (any value but "tgi")
+            "model": refuse_adapter(self.name, self.type_name, r, self.settings.lora_adapters),
         })
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:

@@ -111,6 +111,10 @@ class TritonBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         refuse_unenforceable(self.name, self.type_name, request.constraint, frozenset())
         refuse_tools(self.name, self.type_name, request)
+        if request.adapter is not None:  # Triton's generate extension has no per-request adapter field
+            raise BackendValidationError(f"backend {self.name!r} (triton) cannot serve LoRA adapter "
+                                         f"{request.adapter!r}: serve the adapter through an openai backend "
+                                         "(trtllm-serve) or the engine")
         if request.prompt is None:
             raise BackendValidationError("the triton backend takes a prompt; chat is rendered by the gateway")
         started = time.monotonic()

@@ -27,6 +27,12 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(seq: Sequence) -> int | None:
+    """The parent of a sequence's first block: its adapter's (a fresh id per load), so KV computed under
+    one adapter, or under the base model, is never reused for another."""
+    return None if seq.lora is None else hash(("lora", seq.lora.uid))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1:
@@ -87,7 +93,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return
         bs = self.block_size
-        parent: int | None = None
+        parent = root_hash(seq)
         # the last token is always recomputed: its logits are needed to sample
         for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
             tokens = tuple(seq.token_ids[start:start + bs])
@@ -111,7 +117,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        parent: int | None = None
+        parent = root_hash(seq)
         for index in range(seq.num_computed_tokens // bs):
             block = self.blocks[seq.block_table[index]]
             if block.block_hash is None:

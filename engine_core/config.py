@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     cuda_graphs: bool = True  # decode steps replayed from graphs captured per batch-size bucket (CUDA only)
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT adapter directory, loaded at start
+    max_loras: int = 4  # distinct LoRA adapters in one step (more wait for a later step)
+    max_lora_rank: int = 16  # adapters of a higher rank are refused
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -29,6 +29,7 @@ from engine_core.loader import (
     load_tokenizer,
     resolve_model_dir,
 )
+from engine_core.lora import LoraAdapter, LoraError, LoraInUseError, LoraRegistry
 from engine_core.model_runner import ModelRunner
 from engine_core.models.llama import LlamaModel
 from engine_core.outputs import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestOutput
@@ -112,7 +113,12 @@ class LLMEngine:
                            f"tokens, {num_blocks * block_bytes / 2**20:.0f} MiB")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   max(config.max_num_batched_tokens, 1))
+                                   max(config.max_num_batched_tokens, 1), config.max_loras)
+        self.loras = LoraRegistry(self.model_args, config.max_loras, config.max_lora_rank, dtype, self.device)
+        if config.lora_adapters:
+            with progress.step(f"loading {len(config.lora_adapters)} LoRA adapter(s)"):
+                for name, path in config.lora_adapters.items():
+                    self.load_adapter(name, path)
         eos = set(self.model_args.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -121,6 +127,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_args.vocab_size, self.eos_token_ids)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.runner = ModelRunner(self.model, config.block_size, Sampler(self.eos_token_ids))
+        self.runner.loras = self.loras
         if self.device.type == "cuda" and config.cuda_graphs and getattr(self.model.attention, "graph_safe", False):
             with progress.step("capturing CUDA graphs for decode"):
                 self.runner.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_model_len,
@@ -156,9 +163,16 @@ class LLMEngine:
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if min(total, self.max_model_len) > capacity:
             raise RequestError(f"prompt + max_new_tokens = {total} tokens exceed the KV cache ({capacity} tokens)")
+        lora = None
+        if params.adapter is not None:
+            lora = self.loras.get(params.adapter)
+            if lora is None:
+                raise RequestError(f"no LoRA adapter named {params.adapter!r} is loaded "
+                                   f"(loaded: {sorted(self.loras.adapters)})")
         grammar = self._grammar(params)  # before the sequence exists: a bad constraint holds nothing
         seq = Sequence(request_id, token_ids, params, arrival=next(self._arrivals), arrival_time=time.monotonic())
         seq.grammar = grammar
+        seq.lora = lora
         if not params.greedy:
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
             seq.generator = torch.Generator().manual_seed(seq.seed)
@@ -177,6 +191,31 @@ class LLMEngine:
             return False
         self._release(seq)
         return True
+
+    # LoRA adapters; call between steps (the async engine's thread): a step sees one consistent set
+
+    def load_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Read, validate and register an adapter; LoraError says why one is refused."""
+        adapter = self.loras.read(name, path)
+        self.add_adapter(adapter)
+        return adapter
+
+    def add_adapter(self, adapter: LoraAdapter) -> None:
+        """Register an adapter already read (off the step thread) with `self.loras.read`."""
+        self.loras.add(adapter)
+        log.info("engine: LoRA adapter %s loaded from %s (rank %d, %s)", adapter.name, adapter.path, adapter.rank,
+                 ", ".join(adapter.target_modules))
+
+    def unload_adapter(self, name: str) -> None:
+        """Refused (LoraInUseError) while any request in flight uses the adapter: they finish on it."""
+        if name not in self.loras.adapters:
+            raise LoraError(f"no adapter named {name!r} is loaded")
+        users = sum(1 for seq in self.seqs.values() if seq.lora is not None and seq.lora.name == name)
+        if users:
+            raise LoraInUseError(f"adapter {name!r} is in use by {users} request(s) in flight; "
+                                 f"unload it once they finish")
+        self.loras.remove(name)
+        log.info("engine: LoRA adapter %s unloaded", name)
 
     def _grammar(self, params: SamplingParams) -> GrammarState | None:
         """A fresh matcher for a constrained request. The async engine compiles in the compiler's thread

@@ -8,6 +8,7 @@ import torch
 
 from engine_core.attention import AttentionMetadata
 from engine_core.cuda_graphs import DecodeGraphs
+from engine_core.lora import LoraBatch, LoraRegistry
 from engine_core.models.llama import LlamaModel
 from engine_core.sampler import Sampler, SampleResult, prompt_logprobs
 from engine_core.scheduler import ScheduledBatch
@@ -22,6 +23,7 @@ class PreparedBatch:
     sample_rows: list[int]  # row of each sampling sequence's last token
     sample_seqs: list[Sequence]
     prompt_rows: dict[int, tuple[int, int]]  # seq index -> rows whose logits score prompt tokens
+    lora: LoraBatch | None = None  # each row's adapter delta; None when no row has an adapter
 
 
 class ModelRunner:
@@ -31,6 +33,7 @@ class ModelRunner:
         self.sampler = sampler
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}  # accumulated over prefill chunks
         self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
+        self.loras: LoraRegistry | None = None  # set by the engine
 
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         bs = self.block_size
@@ -71,17 +74,20 @@ class ModelRunner:
             query_lens=list(batch.num_new_tokens),
             seq_lens_host=seq_lens,
         )
+        lora = None
+        if self.loras is not None and self.loras.adapters:
+            lora = self.loras.batch([s.lora for s in batch.seqs], batch.num_new_tokens)
         return PreparedBatch(torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
                              torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
-                             meta, sample_rows, sample_seqs, prompt_rows)
+                             meta, sample_rows, sample_seqs, prompt_rows, lora)
 
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
         prepared = self.prepare(batch)
         hidden = None
-        if self.graphs is not None:
+        if self.graphs is not None and prepared.lora is None:  # graphs were captured without adapters
             hidden = self.graphs.forward(prepared.input_ids, prepared.positions, prepared.meta)
         if hidden is None:
-            hidden = self.model.forward(prepared.input_ids, prepared.positions, prepared.meta)
+            hidden = self.model.forward(prepared.input_ids, prepared.positions, prepared.meta, prepared.lora)
         for index, (first, last) in prepared.prompt_rows.items():
             self._score_prompt(batch.seqs[index], self.model.compute_logits(hidden[first:last]))
         if not prepared.sample_seqs:

@@ -31,6 +31,7 @@ class SamplingParams:
     prompt_logprobs: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this constraint
+    adapter: str | None = None  # the name of a loaded LoRA adapter; None: the base model
 
     @property
     def greedy(self) -> bool:

@@ -27,8 +27,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int = 1) -> None:
         self.block_manager = block_manager
+        self.max_loras = max_loras  # distinct LoRA adapters in one step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -46,10 +48,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
         preempted = False
+        adapters: set[int] = set()  # the step's LoRA adapters, by uid
+
+        def adapter_fits(seq: Sequence) -> bool:
+            return seq.lora is None or seq.lora.uid in adapters or len(adapters) < self.max_loras
 
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.lora is not None and not adapter_fits(seq):  # a step holds max_loras adapters: next step
+                index += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running.pop()  # the last admitted; never one already scheduled
@@ -63,10 +72,16 @@ class Scheduler:
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 index += 1
+                if seq.lora is not None:
+                    adapters.add(seq.lora.uid)
 
         # a step that had to preempt admits nobody new: the pool is already too small
+        skipped: list[Sequence] = []  # waiting behind an adapter that does not fit this step; keep their order
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora is not None and not adapter_fits(seq):
+                skipped.append(self.waiting.popleft())
+                continue
             self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new):
@@ -80,6 +95,9 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+            if seq.lora is not None:
+                adapters.add(seq.lora.uid)
+        self.waiting.extendleft(reversed(skipped))
         return batch
 
     def _preempt(self, seq: Sequence) -> None:

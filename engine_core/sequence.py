@@ -11,6 +11,7 @@ import torch
 from engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine_core.lora.adapter import LoraAdapter
     from engine_core.structured.matcher import GrammarState
 
 
@@ -45,6 +46,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] | None = None
     num_preemptions: int = 0
     grammar: GrammarState | None = None  # set for a constrained request; dropped when it finishes
+    lora: LoraAdapter | None = None  # the adapter it runs with (SamplingParams.adapter, resolved); None: the base
 
     def __post_init__(self) -> None:
         if not self.token_ids:

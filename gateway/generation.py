@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
+
 from backends.base import (
     Backend,
     BackendError,
@@ -63,6 +65,10 @@ async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> S
     sent = time.perf_counter()
     rec = current_record.get()
     principal = current_principal.get()
+    if route.adapter is not None and request.adapter is None:  # chosen by the door (OpenAI model, TGI adapter_id)
+        request = msgspec.structs.replace(request, adapter=route.adapter)
+    if rec is not None and request.adapter is not None:
+        rec.adapter = request.adapter
     names = [name for name, _ in route.tiers]
     timeout = route.config.request_timeout
     deadline = asyncio.get_running_loop().time() + timeout if timeout else None

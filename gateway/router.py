@@ -3,6 +3,7 @@ tiers, skipping ejected backends; plus the shadow candidate and the model's limi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ class ModelRoute:
     tiers: list[tuple[str, Backend]]
     shadow: tuple[str, Backend] | None = None
     config_version: str = "0"
+    adapter: str | None = None  # the LoRA adapter the request runs with; every tier serves it
 
     @property
     def backend_name(self) -> str:
@@ -71,6 +73,24 @@ class ModelRoute:
             raise GatewayError(str(exc), kind="template", param="messages") from None
 
 
+def backend_adapters(backend: Backend) -> dict[str, str]:
+    """The LoRA adapters a backend serves (name -> its directory or upstream name); {} for one without."""
+    adapters = getattr(backend, "adapters", None)
+    return adapters() if callable(adapters) else {}
+
+
+def with_adapter(route: ModelRoute, adapter: str, param: str) -> ModelRoute:
+    """The route narrowed to the tiers that serve the LoRA adapter; a 404 in the door's shape when none
+    does (TGI itself would run an unknown adapter_id on the base model without a word)."""
+    tiers = [(n, b) for n, b in route.tiers if adapter in backend_adapters(b)]
+    if not tiers:
+        known = sorted({a for _, b in route.tiers for a in backend_adapters(b)})
+        raise GatewayError(f"model `{route.name}` has no LoRA adapter `{adapter}` (loaded: {known})",
+                           kind="model_not_found", param=param, code="adapter_not_found")
+    shadow = route.shadow if route.shadow and adapter in backend_adapters(route.shadow[1]) else None
+    return dataclasses.replace(route, tiers=tiers, shadow=shadow, adapter=adapter)
+
+
 def weighted_choice(routes: list[WeightedRoute], key: str | None, rng: random.Random) -> str:
     """A backend by weight: at random, or (with a key) the same one for the same key every time."""
     total = sum(r.weight for r in routes)
@@ -100,6 +120,10 @@ class Router:
         found = self.config.resolve_model(name)
         if found is None and name == "tgi":  # TGI's docs tell clients to call the default model "tgi"
             found = self.config.resolve_model(None)
+        adapter = None
+        if found is None and name is not None:  # vLLM's way: a LoRA adapter's name is a model name
+            found = self.adapter_owner(name)
+            adapter = name
         if found is None:
             return None
         canonical, model = found
@@ -114,7 +138,25 @@ class Router:
         shadow = None
         if model.shadow and model.shadow.backend != chosen and self.rng.random() < model.shadow.sample:
             shadow = (model.shadow.backend, self.backends[model.shadow.backend])
-        return ModelRoute(canonical, model, tiers, shadow, self.config.version)
+        route = ModelRoute(canonical, model, tiers, shadow, self.config.version)
+        return with_adapter(route, adapter, "model") if adapter is not None else route
+
+    def adapter_owner(self, adapter: str) -> tuple[str, ModelConfig] | None:
+        """The model whose backends serve a LoRA adapter of this name (the first, in config order)."""
+        for canonical, model in self.config.models.items():
+            if any(adapter in backend_adapters(self.backends[r.backend]) for r in primary_routes(model)):
+                return canonical, model
+        return None
+
+    def adapter_cards(self) -> list[tuple[str, str, str]]:
+        """(adapter, parent model, its directory or upstream name) for every adapter a model's backends serve."""
+        cards: dict[str, tuple[str, str, str]] = {}
+        for canonical, model in self.config.models.items():
+            for r in primary_routes(model):
+                for adapter, root in backend_adapters(self.backends[r.backend]).items():
+                    if adapter not in cards and self.config.resolve_model(adapter) is None:
+                        cards[adapter] = (adapter, canonical, root)
+        return list(cards.values())
 
     def require(self, name: str | None, header_key: str | None = None, user_key: str | None = None) -> ModelRoute:
         route = self.resolve(name, header_key, user_key)

@@ -11,7 +11,7 @@ from gateway.config import ServerConfig
 from gateway.errors import GatewayError
 from gateway.generation import tokenize_prompt
 from gateway.protocol.tgi import GenerateParameters, GenerateRequest
-from gateway.router import ModelRoute
+from gateway.router import ModelRoute, with_adapter
 from gateway.tgi_grammar import tgi_constraint, tgi_route
 
 
@@ -104,6 +104,8 @@ async def validate_tgi(req: GenerateRequest, route: ModelRoute, server: ServerCo
                        f"Given: {n_input} `inputs` tokens and {max_new} `max_new_tokens`", "max_new_tokens")
     # TGI checks the grammar last, after the input's length
     constraint = tgi_constraint(p.grammar) if p.grammar is not None else None
+    if p.adapter_id is not None:  # TGI's multi-LoRA selection; an unknown id is a 404 here, not the base model
+        route = with_adapter(route, p.adapter_id, "adapter_id")
     route = tgi_route(route, constraint)
     want_details = p.details or p.decoder_input_details
     core = GenerationRequest(
@@ -114,6 +116,6 @@ async def validate_tgi(req: GenerateRequest, route: ModelRoute, server: ServerCo
         frequency_penalty=p.frequency_penalty or 0.0, seed=p.seed, max_new_tokens=max_new, stop=list(p.stop),
         logprobs=True, top_logprobs=p.top_n_tokens or 0,
         prompt_logprobs=p.decoder_input_details and want_details, traceparent=traceparent, stream=stream,
-        constraint=constraint)
+        constraint=constraint, adapter=route.adapter)
     return_full_text = p.return_full_text if p.return_full_text is not None else compat
     return ValidTgiRequest(core, p, p.best_of or 1, n_input, return_full_text, sampling, route)

@@ -18,6 +18,8 @@ import pytest
 from tests.server import free_port
 
 SERVED_NAME = "smollm2-vllm"
+LORA_NAME = "smollm2-lora-vllm"  # the adapter's name in vLLM (--lora-modules)
+LORA_RANK = 8
 _server: dict[str, object] = {}
 
 
@@ -25,17 +27,27 @@ def vllm_python() -> str | None:
     return os.environ.get("LLMGW_VLLM_PYTHON")
 
 
+def lora_dir(model_dir: Path) -> Path:
+    """The LoRA adapter vLLM serves as LORA_NAME: made with peft (fixed seed) before vLLM starts."""
+    from tests.lora_helpers import make_adapter
+
+    return make_adapter(model_dir, Path(tempfile.gettempdir()) / f"llmgw-vllm-lora-r{LORA_RANK}", seed=21,
+                        rank=LORA_RANK)
+
+
 def start_vllm(model_dir: Path) -> None:
     python = vllm_python()
     if os.environ.get("LLMGW_SKIP_VLLM") or not python or _server:
         return
+    adapter = lora_dir(model_dir)
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(
         [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
          SERVED_NAME, "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "4096",
          # tool calling: `required` and named tool choices are grammar-forced once a parser is set
-         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+         "--enable-lora", "--lora-modules", f"{LORA_NAME}={adapter}", "--max-lora-rank", str(LORA_RANK)],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"})
     _server.update(proc=proc, url=f"http://127.0.0.1:{port}", log=log.name)
 

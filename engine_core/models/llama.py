@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from engine_core.attention import AttentionBackend, AttentionMetadata, TorchReferenceAttention
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.loader import ModelArgs, ModelLoadError
+from engine_core.lora.batch import LoraBatch
 from engine_core.models.layer_ops import FusedLayerOps, TorchLayerOps
 from engine_core.models.linear import Linear
 from engine_core.models.rope import RotaryEmbedding
@@ -75,22 +76,36 @@ class LlamaModel:
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token; `lora` adds each row's adapter delta."""
         args, ops = self.args, self.ops
         heads = args.num_heads + args.num_kv_heads
         ops.begin_step(positions)
         plan = self.attention.plan(meta, block_size=self.k_caches[0].shape[1])  # per step, not per layer
         h = F.embedding(input_ids, self.embed)  # the residual stream
         x = ops.norm(h, self.layers[0].input_norm)
-        for layer, k_cache, v_cache, next_norm in zip(self.layers, self.k_caches, self.v_caches, self._next_norms):
+        for i, (layer, k_cache, v_cache, next_norm) in enumerate(
+                zip(self.layers, self.k_caches, self.v_caches, self._next_norms)):
             qkv = layer.qkv(x)
+            if lora is not None:
+                lora.apply(i, "qkv", x, qkv)
             qk = ops.rotate(qkv[:, :self.q_size + self.kv_size].view(-1, heads, args.head_dim))
             q, k = qk.split([args.num_heads, args.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size:].view(-1, args.num_kv_heads, args.head_dim)
-            o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale)
-            h, x = ops.add_norm(h, layer.o(o.reshape(-1, self.q_size)), layer.post_attention_norm)
-            h, x = ops.add_norm(h, layer.down(ops.silu_and_mul(layer.gate_up(x))), next_norm)
+            o = self.attention.forward(q, k, v, k_cache, v_cache, plan, self.scale).reshape(-1, self.q_size)
+            attn_out = layer.o(o)
+            if lora is not None:
+                lora.apply(i, "o", o, attn_out)
+            h, x = ops.add_norm(h, attn_out, layer.post_attention_norm)
+            gate_up = layer.gate_up(x)
+            if lora is not None:
+                lora.apply(i, "gate_up", x, gate_up)
+            act = ops.silu_and_mul(gate_up)
+            mlp_out = layer.down(act)
+            if lora is not None:
+                lora.apply(i, "down", act, mlp_out)
+            h, x = ops.add_norm(h, mlp_out, next_norm)
         return x
 
     @torch.inference_mode()

@@ -337,6 +337,9 @@ class ModelCard(msgspec.Struct, kw_only=True):
     object: str = "model"
     created: int = 0
     owned_by: str = "llm-gateway"
+    # a LoRA adapter's card, as vLLM's: `parent` is the base model, `root` the adapter's directory or upstream name
+    root: str | UnsetType = UNSET
+    parent: str | UnsetType = UNSET
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -101,7 +101,9 @@ class OpenAIController(Controller):
 
     @get("/models", summary="The models this gateway serves", operation_id="list_models")
     async def models(self, gateway: Gateway) -> ModelList:
-        return ModelList(data=[ModelCard(id=name) for name in gateway.router.model_names()])
+        adapters = [ModelCard(id=adapter, root=root, parent=parent)
+                    for adapter, parent, root in gateway.router.adapter_cards()]
+        return ModelList(data=[ModelCard(id=name) for name in gateway.router.model_names()] + adapters)
 
     # chat
 
