@@ -23,7 +23,10 @@ from gateway.errors import GatewayError
 from gateway.generation import ClientGone
 from gateway.guards import AuthMiddleware, ClientLimitsMiddleware
 from gateway.routes.admin import AdminController
+from gateway.routes.lora_admin import LoraAdminController
+from gateway.routes.messages import MessagesController
 from gateway.routes.openai import OpenAIController
+from gateway.routes.responses import ResponsesController
 from gateway.routes.tgi import TgiController
 from gateway.state import Gateway
 from gateway.telemetry.middleware import TelemetryMiddleware
@@ -44,7 +47,7 @@ def _is_openai(request: Request) -> bool:
 
 
 def _respond(request: Request, err: GatewayError) -> Response:
-    return Response(**err.response_args(_is_openai(request)))
+    return Response(**err.response_args_for(request.url.path))
 
 
 def _on_gateway_error(request: Request, exc: GatewayError) -> Response:
@@ -72,7 +75,7 @@ def _on_http_error(request: Request, exc: HTTPException) -> Response:
     kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 401: "unauthorized"}
     error = GatewayError(str(detail), kind="validation", status=status, code=kind.get(status))
     if _is_openai(request):
-        return Response(error.openai_body(), status_code=status)
+        return _respond(request, error)
     return Response({"error": str(detail), "error_type": kind.get(status, "validation")}, status_code=status)
 
 
@@ -118,7 +121,8 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
     middleware: list[Any] = [lambda app: TelemetryMiddleware(app, gateway)] if config.server.telemetry else []
     middleware += [lambda app: ClientLimitsMiddleware(app, gateway), lambda app: AuthMiddleware(app, gateway)]
     app = Litestar(
-        route_handlers=[TgiController, OpenAIController, AdminController, metrics, live],
+        route_handlers=[TgiController, OpenAIController, ResponsesController, MessagesController, AdminController,
+                        LoraAdminController, metrics, live],
         middleware=middleware,
         dependencies={"gateway": Provide(provide_gateway, sync_to_thread=False)},
         lifespan=[lifespan],

@@ -90,8 +90,8 @@ class KeyRing:
     def authenticate(self, header: str | None) -> Principal:
         presented = bearer(header)
         if presented is None:
-            raise GatewayError("an API key is needed (Authorization: Bearer <key>)", kind="unauthorized",
-                               code="missing_api_key")
+            raise GatewayError("an API key is needed (Authorization: Bearer <key>, or x-api-key: <key>)",
+                               kind="unauthorized", code="missing_api_key")
         digest = _digest(presented)
         found = None
         for principal in self.principals:  # no early exit: the time does not depend on which key matched

@@ -1,4 +1,4 @@
-"""Errors raised by route logic, and their TGI and OpenAI wire forms."""
+"""Errors raised by route logic, and their TGI, OpenAI and Anthropic wire forms."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.base import BackendError
+from gateway.protocol.anthropic import ErrorDetail
+from gateway.protocol.anthropic import ErrorResponse as AnthropicErrorResponse
 from gateway.protocol.openai import OpenAIError, OpenAIErrorResponse
 from gateway.protocol.tgi import ErrorResponse
 
@@ -27,6 +29,18 @@ _KINDS: dict[str, tuple[int, str, str]] = {
     "upstream": (424, "generation", "server_error"),
     "internal": (500, "internal", "server_error"),
 }
+
+# Anthropic's error types by status (docs.anthropic.com/en/api/errors); kinds whose status Anthropic lacks
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    504: "timeout_error", 529: "overloaded_error"}
+_ANTHROPIC_STATUS = {"overloaded": 529, "unavailable": 529, "healthcheck": 529, "upstream": 500,
+                     "request_timeout": 400}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATHS)
 
 
 @dataclass
@@ -69,6 +83,21 @@ class GatewayError(Exception):
         if openai:
             return {"content": self.openai_body(), "status_code": self.openai_status(), "headers": self.headers}
         return {"content": self.tgi_body(), "status_code": self.tgi_status(), "headers": self.headers}
+
+    def anthropic_status(self) -> int:
+        status = self.status or _ANTHROPIC_STATUS.get(self.kind) or _KINDS[self.kind][0]
+        return 400 if status == 422 else status
+
+    def anthropic_body(self) -> AnthropicErrorResponse:
+        status = self.anthropic_status()
+        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return AnthropicErrorResponse(error=ErrorDetail(type=kind, message=self.message))
+
+    def response_args_for(self, path: str) -> dict[str, Any]:
+        """Body, status and headers in the shape of the door `path` belongs to."""
+        if is_anthropic_path(path):
+            return {"content": self.anthropic_body(), "status_code": self.anthropic_status(), "headers": self.headers}
+        return self.response_args(path.startswith("/v1/"))
 
     def openai_body(self) -> OpenAIErrorResponse:
         code = self.code or (self.kind if self.kind not in ("validation", "template") else None)

@@ -32,8 +32,7 @@ Scope = dict[str, Any]
 
 
 async def _reply(scope: Scope, send: Any, err: GatewayError) -> None:
-    openai = scope["path"].startswith("/v1/")
-    args = err.response_args(openai)
+    args = err.response_args_for(scope["path"])
     body = msgspec.json.encode(args["content"])
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in (args["headers"] or {}).items()]
@@ -64,6 +63,8 @@ class AuthMiddleware:
         if path.startswith(HEALTH_ROUTES) and not keys.auth.protect_health:
             return await self.app(scope, receive, send)
         header = _header(scope, b"authorization")
+        if header is None and (api_key := _header(scope, b"x-api-key")):  # Anthropic's clients send this
+            header = f"Bearer {api_key}"
         if path == "/metrics":
             if not keys.auth.protect_metrics or self._is_admin(header):
                 return await self.app(scope, receive, send)
