@@ -22,14 +22,15 @@ from backends.base import (
     GenerationRequest,
     UpstreamError,
 )
+from backends.pool.settings import PoolFields
 from backends.sse import SSEEvent, iter_sse
 
 
-class HttpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Connection settings common to every HTTP backend type."""
+class HttpSettings(PoolFields, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Connection settings common to every HTTP backend type; the pool fields make it many replicas."""
 
     type: str
-    base_url: str
+    base_url: str = ""  # one server; or `endpoints`, or this with discovery = "dns" (PoolFields)
     api_key: str | None = None
     api_key_env: str | None = None  # name of an environment variable holding the key
     connect_timeout: float = 5.0
@@ -38,6 +39,9 @@ class HttpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     total_timeout: float = 600.0
     max_connections: int = 100
     max_keepalive_connections: int = 20
+
+    def __post_init__(self) -> None:
+        self.check_pool(self.base_url)
 
     def resolved_api_key(self) -> str | None:
         if self.api_key_env:

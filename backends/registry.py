@@ -9,7 +9,7 @@ from backends.base import Backend
 
 ENTRY_POINT_GROUP = "llm_gateway.backends"
 _BUILTIN = {
-    "engine": "backends.engine:EngineBackend",
+    "engine": "backends.engine_worker:ConfiguredEngine",  # a worker process, or in-process (`workers`)
     "openai": "backends.openai:OpenAIBackend",
     "tgi": "backends.tgi:TgiBackend",
     "triton": "backends.triton:TritonBackend",

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.base import Backend
-from backends.registry import get_backend_class
+from backends.pool.build import make_backend
 from gateway.admission import Admission, ModelGate
 from gateway.auth import KeyRing
 from gateway.config import ConfigError, GatewayConfig, parse_config, primary_routes
@@ -25,7 +25,8 @@ from gateway.errors import GatewayError
 from gateway.health import HealthTracker
 from gateway.router import ModelRoute, Router
 from gateway.shadow import ShadowRecorder
-from gateway.telemetry.metrics import GatewayMetrics, engine_state, gauge
+from gateway.telemetry.metrics import GatewayMetrics, counter, engine_state, gauge
+from gateway.telemetry.pool_metrics import PoolTelemetry, pool_state
 from gateway.telemetry.tracing import Tracing
 
 log = logging.getLogger("llmgw")
@@ -51,6 +52,9 @@ class Gateway:
         self.metrics = GatewayMetrics(tgi_compatible=server.tgi_metrics)
         self.metrics.add_state_source(engine_state(self._engines))
         self.metrics.add_state_source(self._backend_state)
+        self.metrics.add_state_source(self._engine_workers)
+        self.pool_telemetry = PoolTelemetry(self.metrics)
+        self.metrics.add_state_source(pool_state(lambda: self.backends))
         self.tracing = Tracing(server.traces, tracer_provider)
         self.shadows = ShadowRecorder(self.metrics)
         self._in_flight = [0]  # shared with each Admission, which gives its place back
@@ -88,6 +92,9 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self._watch_file()))
 
     async def _start(self, name: str, backend: Backend) -> bool:
+        observers = getattr(backend, "observers", None)
+        if observers is not None:  # a pool: per-replica metrics and the balancer's choice in the access log
+            observers.append(self.pool_telemetry)
         try:
             await backend.start()
         except Exception as exc:
@@ -98,6 +105,8 @@ class Gateway:
         if engine is not None and hasattr(engine, "step_listeners"):
             engine.step_listeners.append(self._engine_step_observer(name))
             engine.abort_listeners.append(self.metrics.abort_seconds.labels(name).observe)
+        elif hasattr(backend, "step_listeners"):  # an engine worker: its steps' figures arrive over IPC
+            backend.step_listeners.append(self._engine_step_observer(name))  # (the gateway times its aborts)
         healthy = False
         with contextlib.suppress(Exception):
             healthy = await backend.health()
@@ -119,8 +128,18 @@ class Gateway:
                 self.health.record_check(name, healthy)
 
     def _engines(self) -> dict[str, Any]:
-        return {name: getattr(getattr(b, "engine", None), "engine", None) for name, b in self.backends.items()
-                if self.started.get(id(b))}
+        """Each started engine's figures: the in-process LLMEngine, or an engine worker's latest report."""
+        return {name: b.figures() if hasattr(b, "figures") else getattr(getattr(b, "engine", None), "engine", None)
+                for name, b in self.backends.items() if self.started.get(id(b))}
+
+    def _engine_workers(self) -> Iterator[Any]:
+        workers = [(n, b) for n, b in self.backends.items() if hasattr(b, "restarts")]
+        yield counter("llmgw_engine_worker_restarts", "Engine worker processes that died and were started again",
+                      ["backend"], [([n], b.restarts) for n, b in workers])
+        yield gauge("llmgw_engine_worker_up", "1 while the engine worker process serves", ["backend"],
+                    [([n], float(b.state == "ready")) for n, b in workers])
+        yield gauge("llmgw_engine_worker_pid", "The process id of the engine worker serving now", ["backend"],
+                    [([n], b.pid) for n, b in workers if b.pid is not None])
 
     def _engine_step_observer(self, name: str) -> Any:
         batch = self.metrics.engine_batch.labels(name)
@@ -166,6 +185,13 @@ class Gateway:
                 states[name] = f"starting: {step}" if step else "starting"
             else:
                 states[name] = self.health.describe(name)
+                worker = getattr(backend, "describe_state", None)  # an engine worker: restarting, restarts
+                if worker is not None and worker() != "ready":
+                    states[name] += f"; engine worker {worker()}"
+                replicas = getattr(backend, "replica_states", None)
+                if replicas is not None:  # a pool: how many of its replicas serve
+                    serving = [r for r in replicas() if r.state() == "healthy"]
+                    states[name] += f" ({len(serving)}/{len(replicas())} replicas healthy)"
         return states
 
     async def aclose(self) -> None:
@@ -265,7 +291,10 @@ class Gateway:
                 if old.config.backends.get(name) == entry and name in old.backends:
                     backends[name] = old.backends[name]  # unchanged: keep it (an engine stays loaded)
                 else:
-                    backends[name] = fresh[name] = get_backend_class(entry.type)(name, entry.settings)
+                    backends[name] = fresh[name] = make_backend(name, entry.type, entry.settings)
+                    carry_over = getattr(backends[name], "carry_over", None)
+                    if carry_over is not None and name in old.backends:  # a pool keeps its unchanged replicas
+                        carry_over(old.backends[name])
             await self._start_fresh(fresh)
             self.health.eject_after = max(1, new.server.eject_after_failures)
             self.health.cooldown = new.server.eject_cooldown
@@ -315,4 +344,4 @@ class Gateway:
 
 
 def build_backends(config: GatewayConfig) -> dict[str, Backend]:
-    return {name: get_backend_class(entry.type)(name, entry.settings) for name, entry in config.backends.items()}
+    return {name: make_backend(name, entry.type, entry.settings) for name, entry in config.backends.items()}

@@ -155,3 +155,26 @@ def test_dashboard_queries_only_metrics_the_gateway_exports() -> None:
             for name in re.findall(r"llmgw_[a-z0-9_]+", target["expr"]):
                 base = re.sub(r"_(total|bucket|sum|count)$", "", name)
                 assert base in exported, f"{panel['title']}: {name}"
+
+
+def test_backend_replicas_sit_behind_headless_services_wired_as_dns_pools() -> None:
+    values = {"backends": {"vllm": {"enabled": True, "replicas": 3, "balance": "least_load"},
+                           "tgi": {"enabled": True, "replicas": 2}, "triton": {"enabled": True, "replicas": 2}}}
+    docs = render(values)
+    deployments = {d["metadata"]["name"]: d["spec"].get("replicas") for d in by_kind(docs, "Deployment")}
+    assert {k: deployments[f"gw-llm-gateway-{k}"] for k in ("vllm", "tgi", "triton")} == \
+        {"vllm": 3, "tgi": 2, "triton": 2}
+    services = {d["metadata"]["name"]: d["spec"] for d in by_kind(docs, "Service")}
+    for name in ("vllm", "tgi", "triton"):
+        assert services[f"gw-llm-gateway-{name}"]["clusterIP"] == "None"  # DNS answers each ready pod
+    from gateway.config import parse_config
+
+    config = parse_config(config_toml(docs))
+    for name, balance in (("vllm", "least_load"), ("tgi", "prefix"), ("triton", "prefix")):
+        settings = config.backends[name].settings
+        assert (settings.discovery, settings.balance, settings.dns_interval) == ("dns", balance, 10.0)
+        assert settings.base_url.startswith(f"http://gw-llm-gateway-{name}:")
+    assert config.backends["triton"].settings.metrics_port == 8002
+    policies = {d["metadata"]["name"]: d for d in by_kind(docs, "NetworkPolicy")}
+    ports = [p["port"] for p in policies["gw-llm-gateway-triton"]["spec"]["ingress"][0]["ports"]]
+    assert ports == [8000, 8002]  # the gateway scrapes Triton's metrics port too

@@ -16,6 +16,12 @@ if TYPE_CHECKING:
 
 access_log = structlog.get_logger("llmgw.access")
 QUIET_PATHS = ("/metrics", "/health", "/ping")  # probes and scrapes: neither counted nor logged
+STORED_RESPONSE = "/v1/responses/"
+
+
+def route_label(path: str) -> str:
+    """The path as a metric label: a stored response's id is folded away, or each id would be a series."""
+    return f"{STORED_RESPONSE}{{id}}" if path.startswith(STORED_RESPONSE) else path
 
 
 class TelemetryMiddleware:
@@ -34,7 +40,7 @@ class TelemetryMiddleware:
             elif key == b"traceparent":
                 traceparent = value.decode("latin-1")
         rec = RequestRecord(request_id or uuid.uuid4().hex, scope["method"], scope["path"])
-        rec.route = scope["path"]
+        rec.route = route_label(scope["path"])
         self.gateway.tracing.start_request(rec, traceparent)
         token = current_record.set(rec)
         metrics = self.gateway.metrics
@@ -73,6 +79,10 @@ class TelemetryMiddleware:
             "prompt_tokens": rec.prompt_tokens, "generated_tokens": rec.generated_tokens,
             "ttft_ms": round(rec.ttft * 1000, 2) if rec.ttft is not None else None,
             "duration_ms": round((rec.ended - rec.started) * 1000, 2)}
+        if rec.replica:
+            fields["replica"], fields["balance"] = rec.replica, rec.balance
+        if rec.adapter:
+            fields["adapter"] = rec.adapter
         if rec.error:
             fields["error"] = rec.error
         if gw.config.server.log_text:

@@ -17,7 +17,10 @@ class RequestRecord:
     started: float = field(default_factory=time.perf_counter)
     route: str = ""  # the route template, e.g. /v1/chat/completions
     model: str = ""
+    adapter: str = ""  # the LoRA adapter, when one was asked for
     backend: str = ""
+    replica: str = ""  # in a pool: the replica that served it...
+    balance: str = ""  # ...and why the balancer chose it (prefix_hit, cold, imbalanced, least_load, round_robin)
     status: int = 0
     finish_reason: str = ""
     prompt_tokens: int = 0

@@ -90,11 +90,15 @@ key_env = {{ include "llm-gateway.keyEnv" .name | toJson }}
 type = "engine"
 {{- include "llm-gateway.tomlTable" (omit $c.engine "enabled" "servedModelName") }}
 {{- end }}
+{{- /* each backend's headless Service: every ready pod is a replica of its pool (DNS discovery) */}}
 {{- with .Values.backends.vllm }}{{ if .enabled }}
 
 [backends.vllm]
 type = "openai"
 base_url = "http://{{ $full }}-vllm:{{ .port }}"
+discovery = "dns"
+dns_interval = {{ .dnsInterval }}
+balance = {{ .balance | toJson }}
 model = {{ .servedModelName | toJson }}
 flavor = {{ .flavor | toJson }}
 {{- end }}{{ end }}
@@ -103,12 +107,19 @@ flavor = {{ .flavor | toJson }}
 [backends.tgi]
 type = "tgi"
 base_url = "http://{{ $full }}-tgi:{{ .port }}"
+discovery = "dns"
+dns_interval = {{ .dnsInterval }}
+balance = {{ .balance | toJson }}
 {{- end }}{{ end }}
 {{- with .Values.backends.triton }}{{ if .enabled }}
 
 [backends.triton]
 type = "triton"
 base_url = "http://{{ $full }}-triton:{{ .port }}"
+discovery = "dns"
+dns_interval = {{ .dnsInterval }}
+balance = {{ .balance | toJson }}
+metrics_port = {{ .metricsPort }}
 model = {{ .modelName | toJson }}
 dialect = {{ .dialect | toJson }}
 {{- end }}{{ end }}

@@ -1,0 +1,385 @@
+"""The gateway's side of an engine worker: a `Backend` that runs one `EngineBackend` in a process of its own
+(as vLLM's engine core) and reaches it over ZeroMQ, so the gateway's event loop never shares a GIL with
+the step loop.
+
+It starts the worker, streams each request's events back, aborts a stream whose consumer left, forwards
+method calls (tokenize, adapters), and keeps the worker's latest figures (`load()`). A worker that dies
+ends its requests in flight with `BackendUnavailableError` and is started again; `state`, `restarts` and
+`last_exit` say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from backends.base import (
+    BackendError,
+    BackendInfo,
+    BackendUnavailableError,
+    GenerationRequest,
+    TokenEvent,
+    TokenSpan,
+    UpstreamError,
+)
+from backends.engine import EngineSettings
+from backends.engine_constraint import ENGINE_CONSTRAINT_KINDS
+from backends.engine_worker.connection import Connection, backend_error, describe_exit, worker_threads
+from backends.engine_worker.figures import EngineFigures, engine_figures
+from backends.engine_worker.messages import (
+    Abort,
+    Call,
+    Failed,
+    FromWorker,
+    Generate,
+    Launch,
+    Load,
+    Ready,
+    Reply,
+    Shutdown,
+    StartFailed,
+    Tokens,
+    WorkerLoad,
+)
+
+log = logging.getLogger("llmgw")
+STALE_AFTER = 30.0  # seconds without a heartbeat before health() says no (a step may take seconds; not 30)
+HUNG_AFTER = 60.0  # seconds without a message from a serving worker (it beats every 0.5 s) before it is killed
+STOP_TIMEOUT = 15.0  # seconds for a worker told to shut down before it is killed
+RESTART_BACKOFF = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)  # seconds before each further try of a failing restart
+WorkerState = Literal["not started", "starting", "ready", "restarting", "failed", "closed"]
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])  # where `backends` imports from
+
+
+class EngineWorkerBackend:
+    type_name: ClassVar[str] = "engine"
+    Settings: ClassVar[type[msgspec.Struct]] = EngineSettings
+
+    def __init__(self, name: str, settings: EngineSettings, replicas: int | None = None) -> None:
+        self.name = name
+        self.settings = settings
+        replicas = replicas if replicas is not None else int(getattr(settings, "replicas", 1) or 1)
+        self.threads = settings.num_threads or worker_threads(replicas)
+        self.state: WorkerState = "not started"
+        self.restarts = 0  # times the worker died and was started again
+        self.last_exit: str | None = None  # how the last worker that died ended
+        self.load_error: str | None = None
+        self.step_listeners: list[Callable[[EngineFigures], None]] = []  # called once per engine step
+        self._info: BackendInfo | None = None
+        self._dtype: tuple[str, str] | None = None
+        self._load: WorkerLoad | None = None
+        self._context = zmq.asyncio.Context()
+        self._conn: Connection | None = None
+        self._streams: dict[int, asyncio.Queue[TokenEvent | BaseException]] = {}
+        self._calls: dict[int, tuple[asyncio.Future[Any], Any]] = {}
+        self._ids = itertools.count()
+        self._supervisor: asyncio.Task[None] | None = None
+        self._heard_at = 0.0  # time.monotonic() of the worker's latest figures, here
+        self._adapters: dict[str, Any] | None = None  # as the worker last reported them
+        self._loaded_at_runtime: dict[str, str] = {}  # LoRA adapters by name: path, loaded through load_adapter
+
+    # lifecycle
+
+    async def start(self) -> None:
+        self.state = "starting"
+        try:
+            await self._spawn()
+        except Exception as exc:
+            self.state = "failed"
+            self.load_error = str(exc)
+            raise
+        self.state = "ready"
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _spawn(self) -> None:
+        """Start a worker and wait until its engine is loaded; raise (with the worker's reason) if it is not."""
+        conn = Connection(self._context)
+        conn.receiver = asyncio.create_task(self._receive(conn))
+        settings = msgspec.to_builtins(msgspec.structs.replace(self.settings, num_threads=self.threads))
+        launch = Launch(name=self.name, settings=settings, to_worker=conn.to_worker, from_worker=conn.from_worker,
+                        parent_pid=os.getpid())
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [PROJECT_ROOT, os.environ.get("PYTHONPATH")]))}
+        try:
+            conn.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "backends.engine_worker", msgspec.json.encode(launch).decode(),
+                env=env, start_new_session=True)  # its own session: a terminal's Ctrl-C is the gateway's to handle
+            self._conn = conn
+            exited = asyncio.create_task(conn.process.wait())
+            await asyncio.wait({conn.ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+            if not conn.ready.done():  # its StartFailed may still be on the way: the reason is worth a moment
+                await asyncio.wait({conn.ready}, timeout=1.0)
+            if not conn.ready.done():
+                conn.ready.cancel()
+                raise RuntimeError(f"the engine worker ended while starting ({describe_exit(exited.result())})")
+            exited.cancel()
+            ready = conn.ready.result()  # raises the worker's StartFailed reason
+        except BaseException:
+            await self._stop_process(conn, kill=True)
+            self._conn = None
+            conn.close()
+            raise
+        self._info, self._dtype, self._load = ready.info, ready.dtype, ready.load
+        self.load_error = None
+        log.info("backend %s: engine worker pid %d is serving", self.name, conn.process.pid)
+
+    async def _supervise(self) -> None:
+        """Wait for the worker to end; unless it was told to, fail its requests and start another."""
+        while True:
+            conn = self._conn
+            assert conn is not None and conn.process is not None
+            code = await self._wait_or_kill_hung(conn)
+            if self.state == "closed":
+                return
+            self.restarts += 1
+            self.last_exit = describe_exit(code)
+            self.state = "restarting"
+            log.error("backend %s: engine worker pid %d ended (%s); %d request(s) failed; restarting",
+                      self.name, conn.process.pid, self.last_exit, len(self._streams))
+            self._conn = None
+            conn.close()
+            self._fail_all(f"{self.name}: the engine worker ended ({self.last_exit}) and is restarting")
+            for attempt in itertools.count():
+                await asyncio.sleep(RESTART_BACKOFF[min(attempt, len(RESTART_BACKOFF) - 1)])
+                try:
+                    await self._spawn()
+                    break
+                except Exception as exc:
+                    self.load_error = str(exc)
+                    log.error("backend %s: engine worker restart failed: %s", self.name, exc)
+            self.state = "ready"
+            await self._reload_adapters()
+
+    async def _wait_or_kill_hung(self, conn: Connection) -> int:
+        """The worker's exit code; a worker that stopped answering (a wedged step loop) is killed first."""
+        assert conn.process is not None
+        exited = asyncio.ensure_future(conn.process.wait())
+        while True:
+            done, _ = await asyncio.wait({exited}, timeout=HUNG_AFTER / 4)
+            if done:
+                return exited.result()
+            load = self._load
+            if load is not None and time.monotonic() - self._heard_at > HUNG_AFTER:
+                log.error("backend %s: engine worker pid %d sent nothing for %.0f s; killing it", self.name,
+                          conn.process.pid, HUNG_AFTER)
+                with contextlib.suppress(ProcessLookupError):
+                    conn.process.kill()
+
+    async def _stop_process(self, conn: Connection, kill: bool = False) -> None:
+        process = conn.process
+        if process is None or process.returncode is not None:
+            return
+        if not kill:
+            conn.send(Shutdown())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_TIMEOUT):
+                    await process.wait()
+                    return
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+
+    async def aclose(self) -> None:
+        self.state = "closed"
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await self._stop_process(conn)
+            conn.close()
+        self._fail_all(f"{self.name}: the engine is shutting down")
+        self._context.destroy(linger=0)  # closes any socket a cancelled start left, never blocks
+
+    # what the gateway reads
+
+    @property
+    def pid(self) -> int | None:
+        """The worker process serving now."""
+        conn = self._conn
+        return conn.process.pid if conn is not None and conn.process is not None and self.state == "ready" else None
+
+    def load(self) -> WorkerLoad | None:
+        """The worker's latest figures (running, waiting, KV blocks, steps), or None before it reports."""
+        return self._load
+
+    def figures(self) -> EngineFigures | None:
+        """The latest figures as the gateway's engine metrics read them; None until the engine is loaded."""
+        load = self._load  # a dead worker's last figures are no one's: none while it restarts
+        return engine_figures(load) if load is not None and load.kv_blocks_total and self.state == "ready" else None
+
+    def describe_state(self) -> str:
+        """The worker's state in words, for /health: "ready", or "restarting (restart 2; the last ended: ...)"."""
+        if self.state in ("restarting", "failed") or self.restarts:
+            detail = f"restart {self.restarts}; the last worker ended: {self.last_exit}" if self.restarts else ""
+            error = f"; {self.load_error}" if self.load_error and self.state != "ready" else ""
+            return f"{self.state} ({detail}{error})" if detail or error else self.state
+        return self.state
+
+    def startup_step(self) -> str | None:
+        """What a starting engine is doing now (for /health), or None once it is up or has failed."""
+        if self.state not in ("not started", "starting"):
+            return None
+        load = self._load
+        return load.startup_step if load is not None and load.startup_step else "starting the engine worker process"
+
+    def dtype(self) -> tuple[str, str] | None:
+        return self._dtype
+
+    async def health(self) -> bool:
+        load = self._load
+        return (self.state == "ready" and load is not None and load.ready
+                and time.monotonic() - load.sent_at < STALE_AFTER)
+
+    def info(self) -> BackendInfo:
+        if self._info is None:
+            return BackendInfo(backend_type=self.type_name, model_id=self.settings.model,
+                               constraint_kinds=ENGINE_CONSTRAINT_KINDS)
+        return self._info
+
+    # requests
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        conn = self._conn
+        if conn is None or self.state != "ready":
+            raise BackendUnavailableError(self.load_error or f"{self.name}: the engine worker is {self.state}")
+        stream = next(self._ids)
+        events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self._streams[stream] = events
+        finished = False
+        try:
+            conn.send(Generate(stream, request))
+            while True:
+                item = await events.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(stream, None)
+            if not finished and conn.open:  # the consumer left: the worker frees the request's blocks at once
+                conn.send(Abort(stream))
+
+    async def call(self, method: str, *args: Any, returns: Any = Any) -> Any:
+        """Call the worker's backend method `method(*args)` (awaited there if it is async); its result is
+        decoded as `returns`. The command channel: whatever EngineBackend gains works through the worker."""
+        conn = self._conn
+        if conn is None or self.state != "ready":
+            raise BackendUnavailableError(self.load_error or f"{self.name}: the engine worker is {self.state}")
+        call = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call] = (future, returns)
+        try:
+            conn.send(Call(call, method, list(args)))
+            return await future
+        finally:
+            self._calls.pop(call, None)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
+        return await self.call("tokenize", text, add_special_tokens, returns=list[TokenSpan])
+
+    async def load_adapter(self, name: str, path: str | Path) -> Any:
+        result = await self.call("load_adapter", name, str(path))
+        self._loaded_at_runtime[name] = str(path)  # a restarted worker loads it again
+        return result
+
+    async def unload_adapter(self, name: str) -> Any:
+        result = await self.call("unload_adapter", name)
+        self._loaded_at_runtime.pop(name, None)
+        return result
+
+    def adapters(self) -> dict[str, Any]:
+        """The worker's adapters as of its latest figures (refreshed before each call's reply); the
+        configured ones until it reports."""
+        if self._adapters is not None:
+            return dict(self._adapters)
+        return dict(getattr(self.settings, "lora_adapters", {}) or {})
+
+    async def _reload_adapters(self) -> None:
+        """After a restart: the adapters loaded at run time, loaded again (the config's load at start)."""
+        for name, path in list(self._loaded_at_runtime.items()):
+            try:
+                await self.call("load_adapter", name, path)
+            except BackendError as exc:
+                log.error("backend %s: adapter %s not loaded again after the restart: %s", self.name, name, exc)
+
+    # the worker's messages
+
+    async def _receive(self, conn: Connection) -> None:
+        decoder = msgspec.msgpack.Decoder(FromWorker)
+        while True:
+            data = await conn.pull.recv(copy=False)
+            try:
+                self._dispatch(conn, decoder.decode(data))
+            except Exception:  # one bad message must not stop every stream's deliveries
+                log.exception("backend %s: engine worker message not handled", self.name)
+
+    def _dispatch(self, conn: Connection, message: FromWorker) -> None:
+        if isinstance(message, Tokens):
+            if message.load is not None:
+                self._loaded(message.load)
+            streams = self._streams
+            for emitted in message.events:
+                events = streams.get(emitted.stream)
+                if events is not None:
+                    events.put_nowait(emitted.event)
+        elif isinstance(message, Load):
+            self._loaded(message.load)
+        elif isinstance(message, Failed):
+            events = self._streams.get(message.stream)
+            if events is not None:
+                events.put_nowait(backend_error(message.kind, message.message, message.status, message.error_class))
+        elif isinstance(message, Reply):
+            self._replied(message)
+        elif isinstance(message, Ready):
+            self._loaded(message.load)
+            if not conn.ready.done():
+                conn.ready.set_result(message)
+        elif isinstance(message, StartFailed) and not conn.ready.done():
+            conn.ready.set_exception(RuntimeError(message.error))
+
+    def _loaded(self, load: WorkerLoad) -> None:
+        self._load = load
+        self._heard_at = time.monotonic()
+        if isinstance(load.adapters, dict):
+            self._adapters = load.adapters
+        if load.steps and self.step_listeners:
+            for step in load.steps:
+                figures = engine_figures(load, step)
+                for listener in self.step_listeners:
+                    listener(figures)
+
+    def _replied(self, reply: Reply) -> None:
+        pending = self._calls.get(reply.call)
+        if pending is None or pending[0].done():
+            return
+        future, returns = pending
+        if reply.error_kind is not None:
+            future.set_exception(backend_error(reply.error_kind, reply.error or reply.error_kind,
+                                               error_class=reply.error_class))
+            return
+        try:
+            future.set_result(msgspec.msgpack.decode(reply.result, type=returns))
+        except msgspec.ValidationError as exc:
+            future.set_exception(UpstreamError(f"{self.name}: the engine worker's reply: {exc}"))
+
+    def _fail_all(self, message: str) -> None:
+        """Every stream and call in flight ends with its own (typed) error: the worker will not answer them."""
+        for events in self._streams.values():
+            events.put_nowait(BackendUnavailableError(message))
+        for future, _ in self._calls.values():
+            if not future.done():
+                future.set_exception(BackendUnavailableError(message))

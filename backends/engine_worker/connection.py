@@ -1,0 +1,85 @@
+"""One engine worker process and the two ZeroMQ sockets the gateway binds for it (a restarted worker
+gets a new one, so no message of the old one reaches the new), and how the worker's errors and exit
+read on the gateway's side."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+import backends.base
+from backends.base import (
+    BackendError,
+    BackendOverloadedError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    BackendValidationError,
+    UpstreamError,
+)
+from backends.engine_worker.messages import Ready, ToWorker, encode_hook
+
+ERRORS: dict[str, type[BackendError]] = {
+    "validation": BackendValidationError, "overloaded": BackendOverloadedError,
+    "unavailable": BackendUnavailableError, "timeout": BackendTimeoutError, "upstream": UpstreamError}
+
+
+def backend_error(kind: str, message: str, status: int | None = None, error_class: str | None = None) -> BackendError:
+    """The worker's typed error, again: its own class where backends.base defines it, else by kind."""
+    cls = getattr(backends.base, error_class or "", None)
+    if not (isinstance(cls, type) and issubclass(cls, BackendError)):
+        cls = ERRORS.get(kind, UpstreamError)
+    return cls(message, status)
+
+
+def worker_threads(replicas: int) -> int:
+    """Each of `replicas` workers on this machine gets an equal share of the cores this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, replicas))
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+class Connection:
+    """One worker process and its two sockets."""
+
+    def __init__(self, context: zmq.asyncio.Context) -> None:
+        self.dir = tempfile.mkdtemp(prefix="llmgw-worker-")
+        self.to_worker = f"ipc://{self.dir}/in"
+        self.from_worker = f"ipc://{self.dir}/out"
+        self.push = zmq.Context.instance().socket(zmq.PUSH)  # a plain socket: a send is done when it returns
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.bind(self.to_worker)
+        self.pull = context.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.bind(self.from_worker)
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=encode_hook)
+        self.process: asyncio.subprocess.Process | None = None
+        self.ready: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
+        self.receiver: asyncio.Task[None] | None = None
+        self.open = True
+
+    def send(self, message: ToWorker) -> None:
+        if self.open:  # a PUSH with no high-water mark queues at once: never waits, so safe in a finally
+            with contextlib.suppress(zmq.Again):  # no worker connected: it just died, and nobody will read it
+                self.push.send(self.encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+
+    def close(self) -> None:
+        self.open = False
+        if self.receiver is not None:
+            self.receiver.cancel()
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,258 @@
+"""Replica routing: the gateway's balancers against SGLang's router over the same two engine replicas.
+
+Two engine replicas (gateway processes, one CPU thread each, prefix caching on) each get a KV cache that
+holds about half of the workload's distinct prefixes, plus room for the requests running on it. In front,
+one at a time: our gateway with an `openai` pool over both (`balance = "prefix"`, `"round_robin"`,
+`"least_load"`) and SGLang's router (`sglang-router`, `--policy cache_aware`, its CLI defaults). The
+replicas restart before each front, so every run starts with cold caches.
+
+Workloads (random-word text, as SGLang's generated-shared-prefix benchmark; the order is shuffled):
+- shared prefix: --groups groups x --per-group prompts, a --prefix-words shared prefix and a
+  --question-words question each, --output-len tokens out (ignore_eos);
+- zero-reuse control: as many prompts, each with a prefix of its own.
+Reported: output tok/s, TTFT p50/p90 (streaming /v1/completions at --concurrency), and the replicas'
+prefix-cache hit rate (blocks reused / blocks looked up, from their /metrics) and how the
+requests split between them.
+
+    .venv-router/bin/pip install sglang-router==0.3.2                     # once, in its own venv
+    .venv/bin/python benchmarks/replica_routing.py --out-dir bench-results/routing
+    .venv/bin/python benchmarks/replica_routing.py --groups 4 --per-group 4 --prefix-words 200   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.engine_vs_vllm import describe_cpu, running_server  # noqa: E402
+from tests.server import free_port  # noqa: E402
+
+KV_BYTES_PER_TOKEN_BF16 = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M: layers x (k, v) x kv heads x head dim x 2 bytes
+
+REPLICA_CONFIG = """
+default_model = "smollm2"
+[server]
+port = {port}
+[backends.local]
+type = "engine"
+model = "embedded"
+kv_cache_mb = {kv_mb}
+num_threads = 1
+enable_prefix_caching = true
+max_num_seqs = 16
+[models.smollm2]
+backend = "local"
+max_input_tokens = 4000
+max_total_tokens = 4096
+"""
+
+FRONT_CONFIG = """
+default_model = "smollm2"
+[server]
+port = {port}
+[backends.pool]
+type = "openai"
+model = "smollm2"
+endpoints = [{endpoints}]
+balance = "{policy}"
+balance_abs_threshold = {abs_threshold}
+first_token_timeout = 600
+idle_timeout = 600
+[models.smollm2]
+backend = "pool"
+max_input_tokens = 4000
+max_total_tokens = 4096
+"""
+
+
+def word_list(seed: int) -> list[str]:
+    """Words that SmolLM2's tokenizer keeps as one token each, so N words are about N tokens."""
+    from transformers import AutoTokenizer
+
+    from engine_core.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("embedded"))
+    words = sorted({t[1:] for t in tokenizer.get_vocab() if t.startswith("Ġ") and t[1:].isalpha() and len(t) > 3})
+    random.Random(seed).shuffle(words)
+    return words[:4000]
+
+
+def workload(words: list[str], groups: int, per_group: int, prefix_words: int, question_words: int,
+             seed: int) -> list[str]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(groups):
+        prefix = " ".join(rng.choices(words, k=prefix_words))
+        prompts += [prefix + "\n\n" + " ".join(rng.choices(words, k=question_words)) for _ in range(per_group)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, output_len: int) -> dict[str, Any]:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    ttft, usage, tokens = None, {}, 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                ttft = ttft if ttft is not None else time.perf_counter() - started
+                tokens += 1
+            usage = chunk.get("usage") or usage
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - started,
+            "output_tokens": usage.get("completion_tokens", tokens)}
+
+
+async def run_workload(url: str, prompts: list[str], output_len: int, concurrency: int) -> dict[str, Any]:
+    queue = list(prompts)
+    results: list[dict[str, Any]] = []
+    errors = 0
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal errors
+        while queue:
+            prompt = queue.pop(0)
+            try:
+                results.append(await one_request(client, prompt, output_len))
+            except httpx.HTTPError:
+                errors += 1
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    ttfts = sorted(r["ttft"] for r in results)
+
+    def pct(q: float) -> float:
+        return 1e3 * ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else math.nan
+
+    return {"requests": len(results), "errors": errors, "seconds": wall,
+            "output_tok_per_s": sum(r["output_tokens"] for r in results) / wall,
+            "ttft_p50_ms": pct(0.5), "ttft_p90_ms": pct(0.9),
+            "ttft_mean_ms": 1e3 * statistics.fmean(ttfts) if ttfts else math.nan}
+
+
+def prefix_cache_figures(replicas: list[str]) -> dict[str, Any]:
+    """Each replica's prefix-cache blocks looked up and reused (the engine's own counters)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    queries, hits = [], []
+    for url in replicas:
+        values = {s.name: s.value for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+                  for s in family.samples}
+        queries.append(values.get("llmgw_engine_prefix_cache_queries_total", 0.0))
+        hits.append(values.get("llmgw_engine_prefix_cache_hits_total", 0.0))
+    return {"prefix_queries": queries, "prefix_hits": hits,
+            "prefix_hit_rate": sum(hits) / sum(queries) if sum(queries) else 0.0}
+
+
+def start_replicas(stack: ExitStack, out: Path, kv_mb: int, tag: str) -> list[str]:
+    urls = []
+    for i in range(2):
+        port = free_port()
+        config = out / f"replica{i}.toml"
+        config.write_text(REPLICA_CONFIG.format(port=port, kv_mb=kv_mb))
+        url = f"http://127.0.0.1:{port}"
+        stack.enter_context(running_server(f"replica {i}", [str(ROOT / ".venv/bin/llmgw"), "serve", "--config",
+                                                            str(config), "--port", str(port)],
+                                           url, out / f"replica{i}-{tag}.log"))
+        urls.append(url)
+    return urls
+
+
+def start_front(stack: ExitStack, out: Path, front: str, replicas: list[str], abs_threshold: float) -> str:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if front == "sglang-router":
+        router = ROOT / ".venv-router/bin/python"
+        command = [str(router), "-m", "sglang_router.launch_router", "--worker-urls", *replicas,
+                   "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
+                   "--health-check-endpoint", "/health"]
+        stack.enter_context(running_server(front, command, url, out / f"{front}.log"))
+        return url
+    config = out / f"front-{front}.toml"
+    config.write_text(FRONT_CONFIG.format(port=port, endpoints=", ".join(f'"{u}"' for u in replicas),
+                                          policy=front, abs_threshold=abs_threshold))
+    stack.enter_context(running_server(f"gateway {front}", [str(ROOT / ".venv/bin/llmgw"), "serve", "--config",
+                                                            str(config), "--port", str(port)],
+                                       url, out / f"front-{front}.log"))
+    return url
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--per-group", type=int, default=8)
+    parser.add_argument("--prefix-words", type=int, default=600)
+    parser.add_argument("--question-words", type=int, default=50)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--fronts", nargs="+", default=["prefix", "round_robin", "least_load", "sglang-router"])
+    parser.add_argument("--abs-threshold", type=float, default=8.0, help="the prefix policy's imbalance gate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench-results" / "routing")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{describe_cpu()}", flush=True)
+
+    words = word_list(args.seed)
+    shared = workload(words, args.groups, args.per_group, args.prefix_words, args.question_words, args.seed)
+    control = workload(words, args.groups * args.per_group, 1, args.prefix_words, args.question_words, args.seed + 1)
+    # half the distinct prefixes, plus the running requests of one replica (it may get all of them)
+    request_tokens = args.prefix_words + args.question_words + args.output_len + 16
+    kv_tokens = args.groups * args.prefix_words // 2 + args.concurrency * request_tokens
+    kv_mb = math.ceil(kv_tokens * KV_BYTES_PER_TOKEN_BF16 / 2**20)
+    print(f"{len(shared)} prompts of ~{args.prefix_words + args.question_words} words; {args.groups} shared "
+          f"prefixes; each replica's KV cache {kv_mb} MiB (~{kv_tokens} tokens in bf16)", flush=True)
+
+    results: dict[str, dict[str, Any]] = {}
+    for front in args.fronts:
+        if front == "sglang-router" and not (ROOT / ".venv-router/bin/python").exists():
+            print("sglang-router: skipped, no .venv-router (see the docstring)", flush=True)
+            continue
+        for name, prompts in (("shared_prefix", shared), ("zero_reuse", control)):
+            with ExitStack() as stack:
+                replicas = start_replicas(stack, args.out_dir, kv_mb, f"{front}-{name}")
+                url = start_front(stack, args.out_dir, front, replicas, args.abs_threshold)
+                asyncio.run(run_workload(url, ["warm up " + " ".join(words[:20])], 4, 1))
+                figures = asyncio.run(run_workload(url, prompts, args.output_len, args.concurrency))
+                figures |= prefix_cache_figures(replicas)
+            results.setdefault(front, {})[name] = figures
+            print(f"{front:14s} {name:13s}: {figures['output_tok_per_s']:6.1f} tok/s, TTFT p50 "
+                  f"{figures['ttft_p50_ms']:7.0f} ms, p90 {figures['ttft_p90_ms']:7.0f} ms, prefix hits "
+                  f"{100 * figures['prefix_hit_rate']:4.1f}% (blocks looked up per replica "
+                  f"{[int(q) for q in figures['prefix_queries']]}), errors {figures['errors']}", flush=True)
+
+    print(f"== {describe_cpu()}")
+    base = results.get("round_robin")
+    for front, runs in results.items():
+        for name, f in runs.items():
+            ratio = (f" ({f['output_tok_per_s'] / base[name]['output_tok_per_s']:.2f}x round robin's tok/s, "
+                     f"TTFT p50 {f['ttft_p50_ms'] / base[name]['ttft_p50_ms']:.2f}x)") if base and name in base else ""
+            print(f"{front:14s} {name:13s}: {f['output_tok_per_s']:6.1f} tok/s, TTFT p50 {f['ttft_p50_ms']:7.0f} ms"
+                  f"{ratio}")
+    (args.out_dir / "replica_routing.json").write_text(json.dumps({"cpu": describe_cpu(), "args": vars(args) | {
+        "out_dir": str(args.out_dir)}, "results": results}, indent=2))
+    print(f"results: {args.out_dir / 'replica_routing.json'}")
+
+
+if __name__ == "__main__":
+    main()
