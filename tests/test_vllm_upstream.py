@@ -25,26 +25,15 @@ from backends.base import (
 from backends.openai import OpenAIBackend, OpenAISettings
 from tests.recordings_tools import fold_tool_calls
 from tests.server import CLIENT_TIMEOUT, running_gateway
-from tests.vllm_server import SERVED_NAME
+from tests.vllm_server import SERVED_NAME, vllm_gateway_config
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def via_vllm(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = f"""
-default_model = "smollm"
-
-[backends.vllm]
-type = "openai"
-base_url = "{vllm_url}"
-model = "{SERVED_NAME}"
-flavor = "vllm"
-
-[models.smollm]
-backend = "vllm"
-aliases = ["llama-3-8b"]  # clients keep their model name whatever the upstream calls it
-"""
+    # clients keep their model name whatever the upstream calls it
+    config = vllm_gateway_config(vllm_url, model_extra='aliases = ["llama-3-8b"]')
     with running_gateway(config, tmp_path_factory.mktemp("via-vllm")) as url:
         yield url
 

@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 
 from tests.server import CLIENT_TIMEOUT, running_gateway
-from tests.vllm_server import SERVED_NAME
+from tests.vllm_server import SERVED_NAME, vllm_gateway_config
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
@@ -27,18 +27,7 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def via_vllm(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = f"""
-default_model = "smollm"
-
-[backends.vllm]
-type = "openai"
-base_url = "{vllm_url}"
-model = "{SERVED_NAME}"
-flavor = "vllm"
-
-[models.smollm]
-backend = "vllm"
-"""
+    config = vllm_gateway_config(vllm_url)
     with running_gateway(config, tmp_path_factory.mktemp("doors-via-vllm")) as url:
         yield url
 

@@ -11,7 +11,7 @@ import pytest
 from huggingface_hub import InferenceClient
 
 from tests.server import CLIENT_TIMEOUT, running_gateway
-from tests.vllm_server import LORA_NAME, SERVED_NAME
+from tests.vllm_server import LORA_NAME, SERVED_NAME, vllm_gateway_config
 
 CLIENT_NAME = "support-lora"  # what the clients call it; the config maps it to vLLM's LORA_NAME
 PROMPT = "The capital of France is"
@@ -19,19 +19,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def via_vllm(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = f"""
-default_model = "smollm"
-
-[backends.vllm]
-type = "openai"
-base_url = "{vllm_url}"
-model = "{SERVED_NAME}"
-flavor = "vllm"
-lora_adapters = {{ {CLIENT_NAME} = "{LORA_NAME}" }}
-
-[models.smollm]
-backend = "vllm"
-"""
+    config = vllm_gateway_config(vllm_url, backend_extra=f'lora_adapters = {{ {CLIENT_NAME} = "{LORA_NAME}" }}')
     with running_gateway(config, tmp_path_factory.mktemp("via-vllm-lora")) as url:
         yield url
 

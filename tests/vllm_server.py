@@ -80,3 +80,21 @@ def stop_vllm() -> None:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def vllm_gateway_config(vllm_url: str, *, backend_extra: str = "", model_extra: str = "") -> str:
+    """A gateway config serving model `smollm` (the default) from the real vLLM through the openai backend."""
+    return f"""
+default_model = "smollm"
+
+[backends.vllm]
+type = "openai"
+base_url = "{vllm_url}"
+model = "{SERVED_NAME}"
+flavor = "vllm"
+{backend_extra}
+
+[models.smollm]
+backend = "vllm"
+{model_extra}
+"""
