@@ -11,8 +11,7 @@ Workloads (random-word text, as SGLang's generated-shared-prefix benchmark; the 
   --question-words question each, --output-len tokens out (ignore_eos);
 - zero-reuse control: as many prompts, each with a prefix of its own.
 Reported: output tok/s, TTFT p50/p90 (streaming /v1/completions at --concurrency), and the replicas'
-prefix-cache hit rate (blocks reused / blocks looked up, from their /metrics) and how the
-requests split between them.
+share of prompt tokens served from their prefix caches (blocks reused, from their /metrics).
 
     .venv-router/bin/pip install sglang-router==0.3.2                     # once, in its own venv
     .venv/bin/python benchmarks/replica_routing.py --out-dir bench-results/routing
@@ -91,6 +90,15 @@ def word_list(seed: int) -> list[str]:
     return words[:4000]
 
 
+def tokens_per_word(prompts: list[str]) -> float:
+    from transformers import AutoTokenizer
+
+    from engine_core.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("embedded"))
+    return sum(len(tokenizer.encode(p)) for p in prompts) / sum(len(p.split()) for p in prompts)
+
+
 def workload(words: list[str], groups: int, per_group: int, prefix_words: int, question_words: int,
              seed: int) -> list[str]:
     rng = random.Random(seed)
@@ -118,7 +126,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str, output_len: int) -
                 tokens += 1
             usage = chunk.get("usage") or usage
     return {"ttft": ttft if ttft is not None else time.perf_counter() - started,
-            "output_tokens": usage.get("completion_tokens", tokens)}
+            "output_tokens": usage.get("completion_tokens", tokens), "prompt_tokens": usage.get("prompt_tokens", 0)}
 
 
 async def run_workload(url: str, prompts: list[str], output_len: int, concurrency: int) -> dict[str, Any]:
@@ -147,11 +155,13 @@ async def run_workload(url: str, prompts: list[str], output_len: int, concurrenc
     return {"requests": len(results), "errors": errors, "seconds": wall,
             "output_tok_per_s": sum(r["output_tokens"] for r in results) / wall,
             "ttft_p50_ms": pct(0.5), "ttft_p90_ms": pct(0.9),
-            "ttft_mean_ms": 1e3 * statistics.fmean(ttfts) if ttfts else math.nan}
+            "ttft_mean_ms": 1e3 * statistics.fmean(ttfts) if ttfts else math.nan,
+            "prompt_tokens": sum(r["prompt_tokens"] for r in results)}
 
 
-def prefix_cache_figures(replicas: list[str]) -> dict[str, Any]:
-    """Each replica's prefix-cache blocks looked up and reused (the engine's own counters)."""
+def prefix_cache_figures(replicas: list[str], prompt_tokens: int, block_size: int = 16) -> dict[str, Any]:
+    """Each replica's prefix-cache blocks looked up and reused (the engine's own counters; a lookup stops at
+    the first miss), and the share of all prompt tokens served from the caches."""
     from prometheus_client.parser import text_string_to_metric_families
 
     queries, hits = [], []
@@ -161,7 +171,7 @@ def prefix_cache_figures(replicas: list[str]) -> dict[str, Any]:
         queries.append(values.get("llmgw_engine_prefix_cache_queries_total", 0.0))
         hits.append(values.get("llmgw_engine_prefix_cache_hits_total", 0.0))
     return {"prefix_queries": queries, "prefix_hits": hits,
-            "prefix_hit_rate": sum(hits) / sum(queries) if sum(queries) else 0.0}
+            "prefix_hit_rate": sum(hits) * block_size / prompt_tokens if prompt_tokens else 0.0}
 
 
 def start_replicas(stack: ExitStack, out: Path, kv_mb: int, tag: str) -> list[str]:
@@ -216,12 +226,15 @@ def main() -> None:
     words = word_list(args.seed)
     shared = workload(words, args.groups, args.per_group, args.prefix_words, args.question_words, args.seed)
     control = workload(words, args.groups * args.per_group, 1, args.prefix_words, args.question_words, args.seed + 1)
-    # half the distinct prefixes, plus the running requests of one replica (it may get all of them)
-    request_tokens = args.prefix_words + args.question_words + args.output_len + 16
-    kv_tokens = args.groups * args.prefix_words // 2 + args.concurrency * request_tokens
+    # about half the distinct prefixes, plus the requests running on one replica when the load is even
+    per_word = tokens_per_word(shared[:8])
+    prefix_tokens = math.ceil(args.prefix_words * per_word)
+    request_tokens = math.ceil((args.prefix_words + args.question_words) * per_word) + args.output_len
+    kv_tokens = args.groups * prefix_tokens // 2 + math.ceil(args.concurrency / 2) * request_tokens
     kv_mb = math.ceil(kv_tokens * KV_BYTES_PER_TOKEN_BF16 / 2**20)
-    print(f"{len(shared)} prompts of ~{args.prefix_words + args.question_words} words; {args.groups} shared "
-          f"prefixes; each replica's KV cache {kv_mb} MiB (~{kv_tokens} tokens in bf16)", flush=True)
+    print(f"{len(shared)} prompts of ~{request_tokens - args.output_len} tokens ({per_word:.2f} a word); "
+          f"{args.groups} shared prefixes of ~{prefix_tokens} tokens; each replica's KV cache {kv_mb} MiB "
+          f"(~{kv_tokens} tokens in bf16)", flush=True)
 
     results: dict[str, dict[str, Any]] = {}
     for front in args.fronts:
@@ -234,12 +247,12 @@ def main() -> None:
                 url = start_front(stack, args.out_dir, front, replicas, args.abs_threshold)
                 asyncio.run(run_workload(url, ["warm up " + " ".join(words[:20])], 4, 1))
                 figures = asyncio.run(run_workload(url, prompts, args.output_len, args.concurrency))
-                figures |= prefix_cache_figures(replicas)
+                figures |= prefix_cache_figures(replicas, figures["prompt_tokens"])
             results.setdefault(front, {})[name] = figures
             print(f"{front:14s} {name:13s}: {figures['output_tok_per_s']:6.1f} tok/s, TTFT p50 "
                   f"{figures['ttft_p50_ms']:7.0f} ms, p90 {figures['ttft_p90_ms']:7.0f} ms, prefix hits "
-                  f"{100 * figures['prefix_hit_rate']:4.1f}% (blocks looked up per replica "
-                  f"{[int(q) for q in figures['prefix_queries']]}), errors {figures['errors']}", flush=True)
+                  f"{100 * figures['prefix_hit_rate']:4.1f}% of prompt tokens (blocks reused per replica "
+                  f"{[int(h) for h in figures['prefix_hits']]}), errors {figures['errors']}", flush=True)
 
     print(f"== {describe_cpu()}")
     base = results.get("round_robin")
