@@ -218,30 +218,9 @@ def test_a_failing_replica_is_ejected_then_returns(tmp_path: Path) -> None:
 # the pool in process: a DNS double, and what a reload keeps
 
 
-@contextlib.contextmanager
-def upstream_at(host: str, port: int, routes: dict) -> Iterator[ScriptedUpstream]:
+def upstream_at(host: str, port: int, routes: dict) -> contextlib.AbstractContextManager[ScriptedUpstream]:
     """A scripted upstream on a given loopback address (DNS records share a port, not an address)."""
-    upstream = ScriptedUpstream(routes)
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    async def serve() -> None:
-        server = await asyncio.start_server(upstream._handle, host, port)
-        upstream.port = port
-        upstream.server, upstream.loop = server, loop
-        started.set()
-        async with server:
-            with contextlib.suppress(asyncio.CancelledError):
-                await server.serve_forever()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert started.wait(10)
-    try:
-        yield upstream
-    finally:
-        loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
-        thread.join(5)
+    return scripted_upstream(routes, host, port)
 
 
 async def eventually(condition: Callable[[], Any], what: str) -> None:

@@ -137,13 +137,15 @@ class ScriptedUpstream:
 
 
 @contextmanager
-def scripted_upstream(routes: dict[tuple[str, str], Any]) -> Iterator[ScriptedUpstream]:
+def scripted_upstream(routes: dict[tuple[str, str], Any], host: str = "127.0.0.1",
+                      port: int = 0) -> Iterator[ScriptedUpstream]:
+    """A scripted upstream in a thread of its own, on `host` and `port` (0: any free port)."""
     upstream = ScriptedUpstream(routes)
     loop = asyncio.new_event_loop()
     started = threading.Event()
 
     async def serve() -> None:
-        server = await asyncio.start_server(upstream._handle, "127.0.0.1", 0)
+        server = await asyncio.start_server(upstream._handle, host, port)
         upstream.port = server.sockets[0].getsockname()[1]
         upstream.server, upstream.loop = server, loop
         started.set()
@@ -153,7 +155,7 @@ def scripted_upstream(routes: dict[tuple[str, str], Any]) -> Iterator[ScriptedUp
 
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
-    started.wait(10)
+    assert started.wait(10)
     try:
         yield upstream
     finally:
