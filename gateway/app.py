@@ -21,7 +21,7 @@ from gateway import __version__
 from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import GatewayError
 from gateway.generation import ClientGone
-from gateway.guards import AuthMiddleware, ClientLimitsMiddleware
+from gateway.policy.guards import AuthMiddleware, ClientLimitsMiddleware
 from gateway.routes.admin import AdminController
 from gateway.routes.lora_admin import LoraAdminController
 from gateway.routes.messages import MessagesController

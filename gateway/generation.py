@@ -24,11 +24,11 @@ from backends.base import (
     Usage,
     describe,
 )
-from gateway.auth import Principal, current_principal
 from gateway.closing import close_detached
 from gateway.errors import GatewayError
-from gateway.router import ModelRoute
-from gateway.shadow import tap
+from gateway.policy.auth import Principal, current_principal
+from gateway.routing.router import ModelRoute
+from gateway.routing.shadow import tap
 from gateway.telemetry.record import RequestRecord, current_record
 from gateway.tools.calls import ToolCallAccumulator
 

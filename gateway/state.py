@@ -18,13 +18,13 @@ from typing import Any
 
 from backends.base import Backend
 from backends.pool.build import make_backend
-from gateway.admission import Admission, ModelGate
-from gateway.auth import KeyRing
 from gateway.config import ConfigError, GatewayConfig, parse_config, primary_routes
 from gateway.errors import GatewayError
-from gateway.health import HealthTracker
-from gateway.router import ModelRoute, Router
-from gateway.shadow import ShadowRecorder
+from gateway.policy.auth import KeyRing
+from gateway.routing.admission import Admission, ModelGate
+from gateway.routing.health import HealthTracker
+from gateway.routing.router import ModelRoute, Router
+from gateway.routing.shadow import ShadowRecorder
 from gateway.telemetry.metrics import GatewayMetrics, counter, engine_state, gauge
 from gateway.telemetry.pool_metrics import PoolTelemetry, pool_state
 from gateway.telemetry.tracing import Tracing

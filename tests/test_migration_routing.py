@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import gateway.health
+import gateway.routing.health
 from backends.registry import register_backend
 from gateway.config import ConfigError, parse_config
-from gateway.health import HealthTracker
-from gateway.router import Router
+from gateway.routing.health import HealthTracker
+from gateway.routing.router import Router
 from gateway.state import Gateway
 from tests.plugin.echo_backend import EchoBackend
 from tests.server import WAIT
@@ -69,7 +69,7 @@ def test_fallback_tiers_follow_the_chosen_backend() -> None:
 
 def test_consecutive_failures_eject_a_backend_until_the_cooldown_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]  # the tracker's clock, moved on by the test: however slow the machine, no time passes
-    monkeypatch.setattr(gateway.health, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(gateway.routing.health, "time", SimpleNamespace(monotonic=lambda: now[0]))
     r = router(cooldown=30.0)
     for _ in range(3):
         r.health.record_failure("old")

@@ -11,15 +11,15 @@ from litestar import Request
 from litestar.response import Stream
 
 from backends.base import ChatMessage, GenerationRequest
-from gateway.admission import Admission
-from gateway.constraints import describe_backend
 from gateway.errors import GatewayError
 from gateway.generation import Collected, Served, generate_whole, tokenize_prompt, unless_disconnected
-from gateway.openai_constraints import AskedConstraint
-from gateway.openai_params import check_common, check_context, core_request, max_new_tokens
+from gateway.params.constraints import describe_backend
+from gateway.params.openai import check_common, check_context, core_request, max_new_tokens
+from gateway.params.openai_constraints import AskedConstraint
 from gateway.protocol.openai import SamplingExtras
-from gateway.router import ModelRoute
 from gateway.routes.openai import _blamed, _route, _start_streams, _stream_response, _tool_parsing
+from gateway.routing.admission import Admission
+from gateway.routing.router import ModelRoute
 from gateway.state import Gateway
 from gateway.tools.plan import ChatPlan, plan_chat
 from gateway.tools.request import ToolRequest

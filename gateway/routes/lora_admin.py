@@ -17,8 +17,8 @@ from backends.base import AdapterInUseError, Backend, BackendError
 from gateway.config import primary_routes
 from gateway.errors import GatewayError
 from gateway.protocol.lora import LoadLoraAdapterRequest, LoraAdminRequest, LoraAdminResponse, UnloadLoraAdapterRequest
-from gateway.router import backend_adapters
 from gateway.routes.admin import require_admin
+from gateway.routing.router import backend_adapters
 from gateway.state import Gateway
 
 

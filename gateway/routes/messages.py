@@ -15,8 +15,10 @@ from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
 from backends.base import TokenEvent, ToolCall
-from gateway.admission import Admission
-from gateway.anthropic_params import (
+from gateway.closing import close_detached
+from gateway.errors import GatewayError
+from gateway.generation import Served
+from gateway.params.anthropic import (
     asked_format,
     chat_messages,
     check_request,
@@ -25,9 +27,6 @@ from gateway.anthropic_params import (
     tool_request,
     user_key,
 )
-from gateway.closing import close_detached
-from gateway.errors import GatewayError
-from gateway.generation import Served
 from gateway.protocol.anthropic import (
     Block,
     ContentBlockDelta,
@@ -60,6 +59,7 @@ from gateway.routes.chat_turn import (
     sse_stream,
     start_turn,
 )
+from gateway.routing.admission import Admission
 from gateway.state import Gateway
 
 _encoder = msgspec.json.Encoder()

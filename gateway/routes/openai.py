@@ -14,8 +14,6 @@ from litestar.response import Stream
 
 from backends.base import GenerationRequest, TokenEvent
 from gateway import __version__
-from gateway.admission import Admission
-from gateway.auth import KeyRing, current_principal
 from gateway.closing import close_detached
 from gateway.errors import GatewayError
 from gateway.generation import (
@@ -29,8 +27,7 @@ from gateway.generation import (
     tokenize_prompt,
     unless_disconnected,
 )
-from gateway.openai_constraints import asked_constraint, openai_route
-from gateway.openai_params import (
+from gateway.params.openai import (
     FINISH_REASONS,
     chat_finish_reason,
     chat_messages,
@@ -41,6 +38,8 @@ from gateway.openai_params import (
     core_request,
     max_new_tokens,
 )
+from gateway.params.openai_constraints import asked_constraint, openai_route
+from gateway.policy.auth import KeyRing, current_principal
 from gateway.protocol.openai import (
     ChatChoice,
     ChatCompletionChunk,
@@ -60,7 +59,8 @@ from gateway.protocol.openai import (
     TopLogprob,
     UsageOut,
 )
-from gateway.router import ModelRoute
+from gateway.routing.admission import Admission
+from gateway.routing.router import ModelRoute
 from gateway.sse import DONE, sse_event, with_keepalive
 from gateway.state import Gateway
 from gateway.telemetry.record import current_record

@@ -15,11 +15,11 @@ from litestar.params import Parameter
 from litestar.response import Stream
 
 from backends.base import ChatMessage, ToolCall, ToolCallDelta
-from gateway.admission import Admission
-from gateway.auth import current_principal
 from gateway.closing import close_detached
 from gateway.errors import GatewayError
 from gateway.generation import Served
+from gateway.params.responses import asked_format, check_request, function_tools, input_messages, sampling, tool_request
+from gateway.policy.auth import current_principal
 from gateway.protocol.responses import (
     ArgumentsDelta,
     ArgumentsDone,
@@ -51,9 +51,9 @@ from gateway.protocol.responses import (
 from gateway.protocol.responses import (
     Response as ResponseObject,
 )
-from gateway.responses_params import asked_format, check_request, function_tools, input_messages, sampling, tool_request
 from gateway.responses_store import ResponsesStore
 from gateway.routes.chat_turn import generate_turn, named_sse, plan_turn, sse_stream, start_turn
+from gateway.routing.admission import Admission
 from gateway.state import Gateway
 
 _encoder = msgspec.json.Encoder()

@@ -15,11 +15,11 @@ from litestar.response import Stream
 
 from backends.base import TokenEvent, TokenLogprob
 from gateway import __version__
-from gateway.admission import Admission
-from gateway.auth import KeyRing, current_principal
 from gateway.closing import close_detached
 from gateway.errors import GatewayError
 from gateway.generation import Collected, Served, generate_whole, start, unless_disconnected
+from gateway.params.tgi import ValidTgiRequest, validate_tgi
+from gateway.policy.auth import KeyRing, current_principal
 from gateway.protocol.tgi import (
     BestOfSequence,
     CompatGenerateRequest,
@@ -33,11 +33,11 @@ from gateway.protocol.tgi import (
     StreamResponse,
     Token,
 )
-from gateway.router import ModelRoute
+from gateway.routing.admission import Admission
+from gateway.routing.router import ModelRoute
 from gateway.sse import sse_event, with_keepalive
 from gateway.state import Gateway
 from gateway.telemetry.record import current_record
-from gateway.tgi_params import ValidTgiRequest, validate_tgi
 
 COMPUTE_TYPE = os.environ.get("COMPUTE_TYPE", "llm-gateway")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-compute-type": COMPUTE_TYPE}

@@ -18,10 +18,10 @@ import msgspec
 
 from backends.base import ChatMessage, GenerationRequest, OutputConstraint
 from gateway.chat_template import uses_tools
-from gateway.constraints import describe_backend, route_for
 from gateway.errors import GatewayError
-from gateway.openai_constraints import AskedConstraint, openai_route
-from gateway.router import ModelRoute
+from gateway.params.constraints import describe_backend, route_for
+from gateway.params.openai_constraints import AskedConstraint, openai_route
+from gateway.routing.router import ModelRoute
 from gateway.tools.parser import ToolCallParser
 from gateway.tools.prompt import plain_messages, template_messages, template_tools
 from gateway.tools.request import ToolRequest

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.base import ToolChoice, ToolFunction
-from gateway.constraints import schema_problem
 from gateway.errors import GatewayError
+from gateway.params.constraints import schema_problem
 from gateway.protocol.openai import ChatCompletionRequest, CustomTool
 
 _USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'

@@ -10,9 +10,9 @@ from typing import Any
 import msgspec
 
 from backends.base import ChatMessage, OutputConstraint, ToolCall, ToolChoice, ToolFunction
-from gateway.constraints import schema_problem
 from gateway.errors import GatewayError
-from gateway.openai_constraints import AskedConstraint, json_schema
+from gateway.params.constraints import schema_problem
+from gateway.params.openai_constraints import AskedConstraint, json_schema
 from gateway.protocol.openai import SamplingExtras
 from gateway.protocol.responses import (
     ITEM_TYPES,

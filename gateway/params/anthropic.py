@@ -10,10 +10,10 @@ from typing import Any
 
 from backends.base import ChatMessage, ToolCall, ToolChoice, ToolFunction
 from gateway.config import ServerConfig
-from gateway.constraints import schema_problem
 from gateway.errors import GatewayError
-from gateway.openai_constraints import AskedConstraint, json_schema
-from gateway.openai_params import stop_list
+from gateway.params.constraints import schema_problem
+from gateway.params.openai import stop_list
+from gateway.params.openai_constraints import AskedConstraint, json_schema
 from gateway.protocol.anthropic import (
     CountTokensRequest,
     MessagesRequest,

@@ -14,8 +14,8 @@ from typing import Any
 from msgspec import UNSET
 
 from backends.base import OutputConstraint
-from gateway.constraints import describe_backend, regex_problem, route_for, schema_problem
 from gateway.errors import GatewayError
+from gateway.params.constraints import describe_backend, regex_problem, route_for, schema_problem
 from gateway.protocol.openai import (
     JsonObjectFormat,
     JsonSchemaFormat,
@@ -25,7 +25,7 @@ from gateway.protocol.openai import (
     TgiJsonFormat,
     TgiRegexFormat,
 )
-from gateway.router import ModelRoute
+from gateway.routing.router import ModelRoute
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # vLLM's, in its order
 

@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema
 
 from backends.base import Backend, OutputConstraint
-from gateway.router import ModelRoute
+from gateway.routing.router import ModelRoute
 
 
 def schema_problem(schema: Any) -> str | None:

@@ -16,10 +16,10 @@ import json
 from typing import Any
 
 from backends.base import OutputConstraint
-from gateway.constraints import describe_backend, route_for, schema_problem
 from gateway.errors import GatewayError
+from gateway.params.constraints import describe_backend, route_for, schema_problem
 from gateway.protocol.tgi import GrammarType, JsonGrammar, JsonObjectGrammar, JsonSchemaGrammar, RegexGrammar
-from gateway.router import ModelRoute
+from gateway.routing.router import ModelRoute
 
 
 def _invalid(message: str) -> GatewayError:

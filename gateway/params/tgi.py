@@ -10,9 +10,9 @@ from backends.base import GenerationRequest
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError
 from gateway.generation import tokenize_prompt
+from gateway.params.tgi_grammar import tgi_constraint, tgi_route
 from gateway.protocol.tgi import GenerateParameters, GenerateRequest
-from gateway.router import ModelRoute, with_adapter
-from gateway.tgi_grammar import tgi_constraint, tgi_route
+from gateway.routing.router import ModelRoute, with_adapter
 
 
 def default_parameters() -> GenerateParameters:

@@ -13,7 +13,7 @@ from backends.base import Backend, ChatMessage
 from gateway.chat_template import TemplateError, render_chat
 from gateway.config import GatewayConfig, ModelConfig, WeightedRoute, primary_routes
 from gateway.errors import GatewayError
-from gateway.health import HealthTracker
+from gateway.routing.health import HealthTracker
 
 DEFAULT_CONTEXT = 4096  # when neither config nor backend says how long the context is
 

@@ -9,7 +9,7 @@ from backends.base import ChatMessage, GenerationRequest, OutputConstraint, Tool
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError
 from gateway.protocol.openai import ChatCompletionRequest, ChatMessageIn, CompletionRequest, SamplingExtras, TextPart
-from gateway.router import ModelRoute
+from gateway.routing.router import ModelRoute
 
 # a remote backend's `tool_calls` reads as a stop here: chat_finish_reason decides what the client sees
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "stop"}

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gateway.auth import bearer, current_principal
 from gateway.errors import GatewayError
+from gateway.policy.auth import bearer, current_principal
 
 if TYPE_CHECKING:
     from gateway.state import Gateway

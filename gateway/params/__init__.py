@@ -1,0 +1,1 @@
+"""Translating each door's request parameters into the core request: sampling, limits, output constraints."""

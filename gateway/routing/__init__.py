@@ -1,0 +1,1 @@
+"""Which backend serves a request: model routes (split, fallback, shadow), backend health, admission."""
