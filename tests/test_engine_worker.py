@@ -239,3 +239,16 @@ async def test_a_worker_that_cannot_load_its_model_says_why_and_leaves_no_proces
     assert backend.pid is None and not await backend.health() and backend.startup_step() is None
     await backend.aclose()
     assert not worker_children()
+
+
+def test_a_token_id_past_64_bits_is_a_400_not_a_500(tmp_path: Path) -> None:
+    """The worker's messages are msgpack, which has no integers past 64 bits: such a prompt is refused at
+    the client with the protocol's error (found by the fuzz test), and the worker goes on serving."""
+    with running_gateway(ENGINE_CONFIG, tmp_path) as url:
+        response = httpx.post(f"{url}/v1/completions", json={"model": "smollm2", "prompt": [-(2**63) - 1]},
+                              timeout=CLIENT_TIMEOUT)
+        assert response.status_code == 400, response.text
+        assert "vocabulary" in response.json()["error"]["message"]
+        ok = httpx.post(f"{url}/v1/completions", json={"model": "smollm2", "prompt": [1, 2, 3], "max_tokens": 2},
+                        timeout=CLIENT_TIMEOUT)
+        assert ok.status_code == 200, ok.text

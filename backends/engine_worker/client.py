@@ -29,6 +29,7 @@ from backends.base import (
     BackendError,
     BackendInfo,
     BackendUnavailableError,
+    BackendValidationError,
     GenerationRequest,
     TokenEvent,
     TokenSpan,
@@ -258,7 +259,12 @@ class EngineWorkerBackend:
         self._streams[stream] = events
         finished = False
         try:
-            conn.send(Generate(stream, request))
+            try:
+                conn.send(Generate(stream, request))
+            except (OverflowError, msgspec.EncodeError) as exc:  # e.g. a token id past 64 bits: never sent
+                finished = True
+                raise BackendValidationError(f"the request holds a value the engine cannot take ({exc}); prompt "
+                                             "token ids must be in the model's vocabulary") from None
             while True:
                 item = await events.get()
                 if isinstance(item, BaseException):
