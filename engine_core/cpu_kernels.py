@@ -1,6 +1,6 @@
 """The engine's compiled CPU kernels (`engine_core/csrc/`), built once per machine.
 
-One extension module holds the paged decode attention, the grammar bitmask and the fused layer ops
+One extension module holds the paged decode attention, the grammar bitmask, the LoRA delta and the fused layer ops
 (RMSNorm with the residual add, rotary embeddings, silu * up: in fp32 for every CPU, in bf16 only where
 the CPU has AVX-512 BF16). torch's extension builder
 compiles it on first use for the CPU it runs on (-march from the CPU's ISA, or $LLMGW_KERNEL_MARCH)
@@ -25,7 +25,8 @@ from engine_core.cpu_features import ISA_LEVELS, cpu_features
 log = logging.getLogger("llmgw.engine")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in
-           ("paged_decode.cpp", "layer_ops.cpp", "layer_ops_f32.cpp", "token_bitmask.cpp", "bindings.cpp")]
+           ("paged_decode.cpp", "layer_ops.cpp", "layer_ops_f32.cpp", "token_bitmask.cpp", "lora_delta.cpp",
+            "bindings.cpp")]
 # the target CPU: by default the ISA this CPU has; an image built on one machine for others sets e.g. x86-64-v3
 MARCH_ENV = "LLMGW_KERNEL_MARCH"
 # -march for each ISA level, named rather than "native": a capped ISA (LLMGW_CPU_ISA) builds what it says,
@@ -45,7 +46,7 @@ class KernelBuild:
     @property
     def kernels(self) -> list[str]:
         names = ("paged_decode", "apply_token_bitmask_", "rms_norm", "rotary_", "silu_and_mul", "rms_norm_f32",
-                 "rotary_f32_", "silu_and_mul_f32")
+                 "rotary_f32_", "silu_and_mul_f32", "lora_delta_")
         return sorted(n for n in names if hasattr(self.module, n))
 
     def describe(self) -> str:

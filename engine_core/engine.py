@@ -16,7 +16,7 @@ from engine_core.attention.cpu_paged import CpuPagedAttention, paged_decode_kern
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
 from engine_core.cpu_features import cpu_features
-from engine_core.cpu_kernels import kernel_build
+from engine_core.cpu_kernels import cpu_kernels, kernel_build
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.detokenizer import IncrementalDetokenizer
 from engine_core.loader import (
@@ -114,7 +114,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, 1), config.max_loras)
-        self.loras = LoraRegistry(self.model_args, config.max_loras, config.max_lora_rank, dtype, self.device)
+        self.loras = LoraRegistry(self.model_args, config.max_loras, config.max_lora_rank, dtype, self.device,
+                                  cpu_kernels() if self.device.type == "cpu" else None)
         if config.lora_adapters:
             with progress.step(f"loading {len(config.lora_adapters)} LoRA adapter(s)"):
                 for name, path in config.lora_adapters.items():

@@ -60,10 +60,10 @@ def test_adapter_greedy_tokens_equal_peft_merged_model_under_teacher_forcing(
 
 def test_a_big_prefill_step_with_several_adapters_takes_one_pass_per_adapter_and_the_same_tokens(
         smollm_dir: Path, adapters: dict[str, Path]) -> None:
-    from engine_core.lora.batch import SEGMENT_MIN_ROWS
+    from engine_core.lora.batch import BIG_STEP_ROWS
 
     engine = _engine(smollm_dir, adapters, max_num_batched_tokens=2048)
-    prompts = random_prompts(3, [SEGMENT_MIN_ROWS, 150, 40], engine.model_args.vocab_size, seed=4)
+    prompts = random_prompts(3, [BIG_STEP_ROWS, 150, 40], engine.model_args.vocab_size, seed=4)
     names = ["all-modules", "qv-only", None]
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=6, ignore_eos=True, adapter=name))
@@ -73,7 +73,7 @@ def test_a_big_prefill_step_with_several_adapters_takes_one_pass_per_adapter_and
     results: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
     for out in engine.postprocess(batch, *engine.runner.run(batch)):
         results[out.request_id].append(out.token_id)
-    while engine.has_unfinished():  # the decodes: 2 adapted rows, through the mask
+    while engine.has_unfinished():  # the decodes: 2 adapted rows, through the kernel (or the mask)
         for out in engine.step():
             results[out.request_id].append(out.token_id)
     masked = _tokens(_engine(smollm_dir, adapters).generate(  # a 64-token budget: chunks under the threshold

@@ -1,5 +1,5 @@
-// One extension module for the CPU kernels: paged decode attention, the grammar bitmask and the fp32 fused
-// layer ops always, the bf16 fused layer ops where the CPU has AVX-512 BF16 (Python checks for them by name).
+// One extension module for the CPU kernels: paged decode attention, the grammar bitmask, the LoRA delta and the
+// fp32 fused layer ops always, the bf16 fused layer ops where the CPU has AVX-512 BF16 (Python checks for them by name).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
@@ -9,6 +9,8 @@ torch::Tensor rms_norm_f32(torch::Tensor residual, c10::optional<torch::Tensor> 
                            double eps);
 void rotary_f32_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul_f32(torch::Tensor gate_up);
+void lora_delta_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
+                 int64_t rank, std::vector<int64_t> bounds);
 #if defined(__AVX512BF16__)
 torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
@@ -38,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_f32", &rms_norm_f32, "RMSNorm, with an optional residual add in place (fp32)", release());
   m.def("rotary_f32_", &rotary_f32_, "rotary embeddings in place, rotate-half layout (fp32)", release());
   m.def("silu_and_mul_f32", &silu_and_mul_f32, "silu(gate) * up over a fused [T, 2I] projection (fp32)",
+        release());
+  m.def("lora_delta_", &lora_delta_, "each row's LoRA adapter delta added to a projection in place (fp32, bf16)",
         release());
 #if defined(__AVX512BF16__)
   m.def("rms_norm", &rms_norm, "RMSNorm, with an optional residual add in place (bf16)", release());

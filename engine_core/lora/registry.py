@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from engine_core.loader import ModelArgs
 from engine_core.lora.adapter import LoraAdapter, LoraError, load_adapter
-from engine_core.lora.batch import LoraBatch, Stack, build_stack
+from engine_core.lora.batch import DeltaKernel, LoraBatch, Stack, build_stack
 
 STACK_CACHE_SIZE = 8
 
@@ -25,7 +26,8 @@ class LoraInUseError(LoraError):
 
 class LoraRegistry:
     def __init__(self, args: ModelArgs, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kernels: ModuleType | None = None) -> None:
+        """`kernels`: the compiled CPU kernels, whose `lora_delta_` serves decode-sized steps (fp32, bf16)."""
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         if max_lora_rank < 1:
@@ -35,6 +37,8 @@ class LoraRegistry:
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.device = device
+        self.kernel: DeltaKernel | None = (getattr(kernels, "lora_delta_", None) if device.type == "cpu"
+                                           and dtype in (torch.float32, torch.bfloat16) else None)
         self.adapters: dict[str, LoraAdapter] = {}
         self._stacks: OrderedDict[tuple[int, ...], tuple[Stack, dict[int, torch.Tensor]]] = OrderedDict()
 
@@ -76,7 +80,7 @@ class LoraRegistry:
         key = tuple(sorted(distinct))
         cached = self._stacks.get(key)
         if cached is None:
-            cached = build_stack([distinct[uid] for uid in key], self.args.num_layers)
+            cached = build_stack([distinct[uid] for uid in key], self.args, for_kernel=self.kernel is not None)
             self._stacks[key] = cached
             if len(self._stacks) > STACK_CACHE_SIZE:
                 self._stacks.popitem(last=False)
@@ -86,4 +90,4 @@ class LoraRegistry:
         row_owner: list[int] = []
         for adapter, n in zip(seq_adapters, counts):
             row_owner.extend([position[adapter.uid] if adapter is not None else -1] * n)
-        return LoraBatch.build(cached[0], cached[1], row_owner, len(key), self.dtype, self.device)
+        return LoraBatch.build(cached[0], cached[1], row_owner, len(key), self.dtype, self.device, self.kernel)
