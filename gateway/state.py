@@ -101,12 +101,13 @@ class Gateway:
             log.error("backend %s failed to start: %s: %s", name, type(exc).__name__, exc)
             return False
         self.started[id(backend)] = True
-        engine = getattr(backend, "engine", None)
-        if engine is not None and hasattr(engine, "step_listeners"):
-            engine.step_listeners.append(self._engine_step_observer(name))
-            engine.abort_listeners.append(self.metrics.abort_seconds.labels(name).observe)
-        elif hasattr(backend, "step_listeners"):  # an engine worker: its steps' figures arrive over IPC
-            backend.step_listeners.append(self._engine_step_observer(name))  # (the gateway times its aborts)
+        for label, member in _engines_of(name, backend):
+            engine = getattr(member, "engine", None)
+            if engine is not None and hasattr(engine, "step_listeners"):
+                engine.step_listeners.append(self._engine_step_observer(label))
+                engine.abort_listeners.append(self.metrics.abort_seconds.labels(label).observe)
+            elif hasattr(member, "step_listeners"):  # an engine worker: its steps' figures arrive over IPC
+                member.step_listeners.append(self._engine_step_observer(label))  # (the gateway times its aborts)
         healthy = False
         with contextlib.suppress(Exception):
             healthy = await backend.health()
@@ -127,13 +128,18 @@ class Gateway:
                         healthy = await backend.health()
                 self.health.record_check(name, healthy)
 
+    def _engine_members(self, started_only: bool = False) -> list[tuple[str, Any]]:
+        """Every engine backend and every engine worker of a pool, by its metrics label."""
+        return [member for name, b in self.backends.items() if not started_only or self.started.get(id(b))
+                for member in _engines_of(name, b)]
+
     def _engines(self) -> dict[str, Any]:
         """Each started engine's figures: the in-process LLMEngine, or an engine worker's latest report."""
-        return {name: b.figures() if hasattr(b, "figures") else getattr(getattr(b, "engine", None), "engine", None)
-                for name, b in self.backends.items() if self.started.get(id(b))}
+        return {label: b.figures() if hasattr(b, "figures") else getattr(getattr(b, "engine", None), "engine", None)
+                for label, b in self._engine_members(started_only=True)}
 
     def _engine_workers(self) -> Iterator[Any]:
-        workers = [(n, b) for n, b in self.backends.items() if hasattr(b, "restarts")]
+        workers = [(n, b) for n, b in self._engine_members() if hasattr(b, "restarts")]
         yield counter("llmgw_engine_worker_restarts", "Engine worker processes that died and were started again",
                       ["backend"], [([n], b.restarts) for n, b in workers])
         yield gauge("llmgw_engine_worker_up", "1 while the engine worker process serves", ["backend"],
@@ -189,9 +195,11 @@ class Gateway:
                 if worker is not None and worker() != "ready":
                     states[name] += f"; engine worker {worker()}"
                 replicas = getattr(backend, "replica_states", None)
-                if replicas is not None:  # a pool: how many of its replicas serve
+                if replicas is not None:  # a pool: how many of its replicas serve, and what the others do
                     serving = [r for r in replicas() if r.state() == "healthy"]
-                    states[name] += f" ({len(serving)}/{len(replicas())} replicas healthy)"
+                    others = [f"{r.id} {_replica_state(r)}" for r in replicas() if r not in serving]
+                    states[name] += f" ({len(serving)}/{len(replicas())} replicas healthy" + \
+                        "".join(f"; {o}" for o in others) + ")"
         return states
 
     async def aclose(self) -> None:
@@ -345,3 +353,20 @@ class Gateway:
 
 def build_backends(config: GatewayConfig) -> dict[str, Backend]:
     return {name: make_backend(name, entry.type, entry.settings) for name, entry in config.backends.items()}
+
+
+def _engines_of(name: str, backend: Any) -> list[tuple[str, Any]]:
+    """An engine backend as itself; a pool as its engine workers, each labelled by its replica id
+    ("local-worker-0"), so that their step figures and restarts show one by one; others: none."""
+    replicas = getattr(backend, "replica_states", None)
+    members = [(r.id, r.backend) for r in replicas()] if replicas is not None else [(name, backend)]
+    return [(label, b) for label, b in members if hasattr(b, "step_listeners") or hasattr(b, "engine")]
+
+
+def _replica_state(replica: Any) -> str:
+    """A replica that is not serving, in words: its health, and an engine worker's own state."""
+    worker = getattr(replica.backend, "describe_state", None)
+    if worker is not None and worker() != "ready":
+        return f"{replica.state()}, engine worker {worker()}"
+    step = getattr(replica.backend, "startup_step", lambda: None)()
+    return f"{replica.state()}, starting: {step}" if step else replica.state()

@@ -49,6 +49,50 @@ def test_check_config_prints_what_it_serves_and_fails_cleanly(tmp_path: Path) ->
         assert "backends.local.kv_cache_mb: Expected `int`, got `str`" in out.stderr
 
 
+POOLS = """
+default_model = "m"
+[backends.fixed]
+type = "openai"
+model = "m"
+endpoints = ["http://vllm-0:8000", "http://vllm-1:8000"]
+[backends.dns]
+type = "tgi"
+base_url = "http://tgi-headless:80"
+discovery = "dns"
+balance = "least_load"
+scrape_interval = 0
+[backends.single]
+type = "triton"
+base_url = "http://triton:8000"
+model = "m"
+[backends.workers]
+type = "engine"
+model = "embedded"
+replicas = 2
+balance = "round_robin"
+[models.m]
+routes = [{ backend = "fixed", weight = 1 }, { backend = "dns", weight = 1 }, { backend = "single", weight = 1 },
+          { backend = "workers", weight = 1 }]
+"""
+
+
+def test_check_config_describes_each_pool_and_its_balancing(tmp_path: Path) -> None:
+    path = tmp_path / "pools.toml"
+    path.write_text(POOLS)
+    out = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(path)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=WAIT)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split(":", 1)[0].strip(): line.split(":", 1)[1] for line in out.stdout.splitlines()
+             if line.strip().startswith("backend ")}
+    assert "a pool of 2 replicas (http://vllm-0:8000, http://vllm-1:8000); balance prefix (the replica holding " \
+           ">= 0.3 of the prompt's blocks, unless loads differ by > 8 requests and > 1.5x); /metrics scraped " \
+           "every 1 s" in lines["backend fixed (type openai)"]
+    assert "every address of http://tgi-headless:80's host, resolved every 10 s; balance least_load; no scraping" \
+        in lines["backend dns (type tgi)"]
+    assert lines["backend single (type triton)"].strip() == "one server, http://triton:8000"
+    assert "2 worker processes, balance round_robin" in lines["backend workers (type engine)"]
+
+
 @pytest.fixture
 def plugin_path(tmp_path: Path) -> Path:
     """A distribution on sys.path whose entry point registers the echo backend, as a pip install would."""

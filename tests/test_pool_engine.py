@@ -1,6 +1,7 @@
 """A pool of two engine worker processes (backends/engine_worker) of the embedded model behind the
 balancer: both serve, each shared prefix stays on one worker (whose prefix cache then hits), a killed
-worker's stream fails cleanly and the worker comes back, and every block is free at the end."""
+worker's stream fails cleanly and the worker comes back, and every block is free at the end; through a real
+gateway, the metrics and /admin/backends show each worker."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import signal
 from collections import defaultdict
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from backends.base import BackendError, GenerationRequest
 from backends.engine import EngineSettings
 from backends.pool.build import engine_pool
-from tests.server import CLIENT_TIMEOUT, wait_until
+from tests.server import CLIENT_TIMEOUT, ENGINE_CONFIG, running_gateway, wait_until
 
 
 class ChoiceLog:
@@ -134,3 +137,50 @@ async def test_a_killed_worker_fails_its_streams_cleanly_comes_back_and_serves_a
         await asyncio.to_thread(wait_until, all_free, "both workers to hold no blocks")
     finally:
         await pool.aclose()
+
+
+POOL_GATEWAY_CONFIG = ENGINE_CONFIG.replace(
+    'type = "engine"\n', 'type = "engine"\nworkers = "process"\nreplicas = 2\nbalance = "round_robin"\n') + """
+[server]
+admin_key = "pool-admin"
+health_check_interval = 0.2
+eject_cooldown = 1.0
+"""
+WORKERS = ("local-worker-0", "local-worker-1")
+
+
+def _by_worker(url: str, name: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=CLIENT_TIMEOUT).text
+    return {s.labels["backend"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name and s.labels.get("backend") in WORKERS}
+
+
+def test_a_pool_of_workers_shows_each_one_in_the_metrics_and_admin_backends(tmp_path: Path) -> None:
+    """Through a real gateway with `replicas = 2`: the engine's step and KV figures and the worker gauges
+    are labelled per worker, and while a killed worker restarts, /health stays 200 (the other serves) and
+    /admin/backends names it."""
+    with running_gateway(POOL_GATEWAY_CONFIG, tmp_path) as url:
+        for i in range(2):  # round robin: one each
+            done = httpx.post(f"{url}/generate", json={"inputs": f"Say {i}.", "parameters": {"max_new_tokens": 3}},
+                              timeout=CLIENT_TIMEOUT)
+            assert done.status_code == 200
+        steps = wait_until(lambda: (s := _by_worker(url, "llmgw_engine_batch_size_count")) and len(s) == 2 and s,
+                           "both workers' step figures")
+        assert all(v >= 1 for v in steps.values())
+        assert all(v > 0 for v in _by_worker(url, "llmgw_engine_kv_blocks_total").values())
+        assert _by_worker(url, "llmgw_engine_worker_up") == dict.fromkeys(WORKERS, 1.0)
+        pid = int(_by_worker(url, "llmgw_engine_worker_pid")["local-worker-1"])
+        os.kill(pid, signal.SIGKILL)
+        admin = {"authorization": "Bearer pool-admin"}
+
+        def restarting() -> str | None:
+            state = httpx.get(f"{url}/admin/backends", headers=admin, timeout=CLIENT_TIMEOUT).json()["backends"]
+            return state["local"] if "local-worker-1" in state["local"] and "restart 1" in state["local"] else None
+
+        said = wait_until(restarting, "/admin/backends naming the restarting worker")
+        assert "1/2 replicas healthy" in said and "SIGKILL" in said, said
+        assert httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT).status_code == 200  # the other one serves
+        wait_until(lambda: _by_worker(url, "llmgw_engine_worker_restarts_total") ==
+                   {"local-worker-0": 0.0, "local-worker-1": 1.0} and
+                   _by_worker(url, "llmgw_engine_worker_up") == dict.fromkeys(WORKERS, 1.0), "the worker back")
+        assert int(_by_worker(url, "llmgw_engine_worker_pid")["local-worker-1"]) != pid

@@ -54,7 +54,8 @@ READ_ONLY = frozenset({"tokenize", "info", "health", "dtype", "startup_step", "a
 class Worker:
     def __init__(self, launch: Launch) -> None:
         settings = msgspec.convert(launch.settings, EngineSettings)
-        self.backend = EngineBackend(launch.name, msgspec.structs.replace(settings, workers="thread"))
+        # the one engine of this process: in its thread here, one replica of whatever pool launched it
+        self.backend = EngineBackend(launch.name, msgspec.structs.replace(settings, workers="thread", replicas=1))
         self.launch = launch
         self.context = zmq.asyncio.Context()
         self.inbox = self.context.socket(zmq.PULL)

@@ -59,6 +59,24 @@ class PoolFields(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("`scrape_interval` and `balance_abs_threshold` must be >= 0, "
                              "`cache_threshold` in [0, 1]")
 
+    def describe(self) -> str:
+        """What `llmgw check-config` prints of the backend: its replicas and how they are balanced."""
+        base_url = getattr(self, "base_url", "")
+        if not self.is_pool:
+            return f"one server, {base_url}"
+        if self.discovery == "dns":
+            replicas = f"a pool of every address of {base_url}'s host, resolved every {self.dns_interval:g} s"
+        else:
+            replicas = f"a pool of {len(self.endpoints)} replicas ({', '.join(self.endpoints)})"
+        rule = self.balance
+        if self.balance == "prefix":
+            rule += (f" (the replica holding >= {self.cache_threshold:g} of the prompt's blocks, unless loads differ "
+                     f"by > {self.balance_abs_threshold:g} requests and > {self.balance_rel_threshold:g}x)")
+        scrape = (f"{self.scrape_path} scraped every {self.scrape_interval:g} s" if self.scrape_interval
+                  else "no scraping (this gateway's own counts only)")
+        return (f"{replicas}; balance {rule}; {scrape}; a replica is ejected after {self.eject_after_failures} "
+                f"failures, for {self.eject_cooldown:g} s")
+
     @property
     def stale_seconds(self) -> float:
         return self.stale_after if self.stale_after is not None else 3 * self.scrape_interval

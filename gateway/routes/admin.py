@@ -34,6 +34,14 @@ class AdminController(Controller):
         health = {name: gateway.health.describe(name) for name in gateway.backends}
         return {"config_version": gateway.config.version, "backends": health, "pairs": gateway.shadows.report()}
 
+    @get("/backends", summary="Each backend's state, and each replica's of a pool (engine workers included)",
+         operation_id="backend_states")
+    async def backends(self, gateway: Gateway, request: Request) -> dict[str, Any]:
+        """What /health's 503 body says, at any time: a pool that still serves (so /health is 200) names
+        here the replicas that do not, e.g. an engine worker being restarted."""
+        require_admin(gateway, request)
+        return {"config_version": gateway.config.version, "backends": gateway.backend_states()}
+
     @post("/reload", summary="Validate and apply the config file", operation_id="reload", status_code=200)
     async def reload(self, gateway: Gateway, request: Request) -> dict[str, Any]:
         require_admin(gateway, request)
