@@ -92,12 +92,14 @@ class EngineBackend:
         self.progress = StartupProgress()
 
     async def start(self) -> None:
+        config = self.settings.engine_config()
+        engine = AsyncEngine(lambda: LLMEngine(config, self.progress))  # built in its step thread
         try:
-            llm = await asyncio.to_thread(LLMEngine, self.settings.engine_config(), self.progress)
+            await engine.ready()
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
-        self.engine = AsyncEngine(llm)  # llm.load_seconds says how long loading took
+        self.engine = engine  # engine.engine.load_seconds says how long loading took
 
     @property
     def llm(self) -> LLMEngine:

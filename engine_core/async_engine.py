@@ -8,6 +8,7 @@ request; its blocks are free before the next step starts.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import sys
 import threading
@@ -28,8 +29,18 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        """`engine`, or a function that builds one: then it is built in the step thread itself (await
+        `ready()`), so the torch ops of loading and of stepping share one thread and one OpenMP pool. Each
+        thread that runs parallel torch ops gets a pool of its own, and with more pooled threads than cores
+        libgomp stops spinning at barriers: built in another thread, served batch-16 decode steps on 2
+        cores took 54 ms instead of 37 (BENCHMARKS.md, issue 17)."""
+        self._built: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if isinstance(engine, LLMEngine):
+            self.engine = engine
+            self._built.set_result(None)
+        else:
+            self._factory = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
@@ -39,8 +50,12 @@ class AsyncEngine:
         # Each torch op of a step releases the GIL and must take it back; with the default 5 ms switch
         # interval an event loop busy streaming tokens makes the step thread wait up to 5 ms a time.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
-        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._thread.start()
+
+    async def ready(self) -> None:
+        """Returns once the engine is built; raises what building it raised."""
+        await asyncio.wrap_future(self._built)
 
     @property
     def alive(self) -> bool:
@@ -155,6 +170,16 @@ class AsyncEngine:
             except RuntimeError:  # its event loop is closed: nobody is listening
                 for _, out in items:
                     self.engine.abort(out.request_id)
+
+    def _run(self) -> None:
+        if not self._built.done():
+            try:
+                self.engine = self._factory()
+            except BaseException as exc:
+                self._built.set_exception(exc)
+                return
+            self._built.set_result(None)
+        self._loop()
 
     def _loop(self) -> None:
         while not self._stopping:

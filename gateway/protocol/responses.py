@@ -242,45 +242,42 @@ class OutputItemDone(ResponseEvent, tag="response.output_item.done"):
     item: OutputItem
 
 
-class ContentPartAdded(ResponseEvent, tag="response.content_part.added"):
+class ItemEvent(ResponseEvent):
+    """About one output item: the stream's `output_index`-th, `item_id`."""
+
     item_id: str
     output_index: int
+
+
+class PartEvent(ItemEvent):
+    """About one content part of an output item."""
+
     content_index: int
+
+
+class ContentPartAdded(PartEvent, tag="response.content_part.added"):
     part: OutputText
 
 
-class ContentPartDone(ResponseEvent, tag="response.content_part.done"):
-    item_id: str
-    output_index: int
-    content_index: int
+class ContentPartDone(PartEvent, tag="response.content_part.done"):
     part: OutputText
 
 
-class OutputTextDelta(ResponseEvent, tag="response.output_text.delta"):
-    item_id: str
-    output_index: int
-    content_index: int
+class OutputTextDelta(PartEvent, tag="response.output_text.delta"):
     delta: str
     logprobs: list[Any] = []
 
 
-class OutputTextDone(ResponseEvent, tag="response.output_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int
+class OutputTextDone(PartEvent, tag="response.output_text.done"):
     text: str
     logprobs: list[Any] = []
 
 
-class ArgumentsDelta(ResponseEvent, tag="response.function_call_arguments.delta"):
-    item_id: str
-    output_index: int
+class ArgumentsDelta(ItemEvent, tag="response.function_call_arguments.delta"):
     delta: str
 
 
-class ArgumentsDone(ResponseEvent, tag="response.function_call_arguments.done"):
-    item_id: str
-    output_index: int
+class ArgumentsDone(ItemEvent, tag="response.function_call_arguments.done"):
     name: str
     arguments: str
 

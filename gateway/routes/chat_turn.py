@@ -17,7 +17,7 @@ from gateway.params.constraints import describe_backend
 from gateway.params.openai import check_common, check_context, core_request, max_new_tokens
 from gateway.params.openai_constraints import AskedConstraint
 from gateway.protocol.openai import SamplingExtras
-from gateway.routes.openai import _blamed, _route, _start_streams, _stream_response, _tool_parsing
+from gateway.routes.openai import authorized_route, blamed_on, start_streams, stream_response, tool_parsing
 from gateway.routing.admission import Admission
 from gateway.routing.router import ModelRoute
 from gateway.state import Gateway
@@ -38,7 +38,7 @@ async def plan_turn(gw: Gateway, request: Request, *, model: str | None, user: s
                     sampling: SamplingExtras, max_tokens: int | None, max_tokens_param: str,
                     messages_param: str) -> ChatTurn:
     """Route, key and limits checked; tools and constraint planned; prompt tokenized where the gateway renders it."""
-    route = _route(gw, request, model, user)
+    route = authorized_route(gw, request, model, user)
     server = gw.config.server
     check_common(sampling, server)
     plan = plan_chat(route, messages, tools, asked, True)
@@ -56,16 +56,16 @@ async def plan_turn(gw: Gateway, request: Request, *, model: str | None, user: s
 async def generate_turn(gw: Gateway, request: Request, turn: ChatTurn) -> Collected:
     """The whole answer (tool calls parsed out of the text where the gateway drives the tools)."""
     async with gw.admit(turn.route):
-        with _blamed(turn.plan.blame):
+        with blamed_on(turn.plan.blame):
             return await unless_disconnected(
-                request.receive, generate_whole(gw, turn.route, turn.core, _tool_parsing(turn.plan)))
+                request.receive, generate_whole(gw, turn.route, turn.core, tool_parsing(turn.plan)))
 
 
 async def start_turn(gw: Gateway, turn: ChatTurn) -> tuple[Admission, Served]:
     """Admitted and started before the answer begins, so a failure before the first token is an HTTP error."""
-    with _blamed(turn.plan.blame):
-        admission, served = await _start_streams(gw, turn.route, [turn.core])
-    wrap = _tool_parsing(turn.plan)
+    with blamed_on(turn.plan.blame):
+        admission, served = await start_streams(gw, turn.route, [turn.core])
+    wrap = tool_parsing(turn.plan)
     if wrap is not None:
         served[0].events = wrap(served[0].events)
     return admission, served[0]
@@ -73,7 +73,7 @@ async def start_turn(gw: Gateway, turn: ChatTurn) -> tuple[Admission, Served]:
 
 async def sse_stream(events: AsyncIterator[bytes], served: Served, route: ModelRoute) -> Stream:
     """`events` starts with an empty priming item (its cleanup then runs however the response ends)."""
-    return await _stream_response(events, [served], route)
+    return await stream_response(events, [served], route)
 
 
 def named_sse(name: str, payload: bytes) -> bytes:
@@ -85,7 +85,7 @@ async def count_prompt_tokens(gw: Gateway, request: Request, *, model: str | Non
                               tools: ToolRequest | None) -> int:
     """The tokens the turn's prompt would take, tools included, where the gateway renders that prompt.
     A backend that takes chat messages itself renders its own prompt, which the gateway cannot count."""
-    route = _route(gw, request, model, None)
+    route = authorized_route(gw, request, model, None)
     plan = plan_chat(route, messages, tools, None, True)
     ids = None if plan.prompt is None else await tokenize_prompt(plan.route, plan.prompt, add_special_tokens=False)
     if ids is None:

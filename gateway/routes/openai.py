@@ -110,7 +110,7 @@ class OpenAIController(Controller):
     @post("/chat/completions", summary="Chat completion (OpenAI)", operation_id="create_chat_completion",
           status_code=200)
     async def chat(self, data: ChatCompletionRequest, gateway: Gateway, request: Request) -> Response | Stream:
-        route = _route(gateway, request, data.model, data.user)
+        route = authorized_route(gateway, request, data.model, data.user)
         server = gateway.config.server
         check_common(data, server)
         check_chat_features(data)
@@ -129,19 +129,19 @@ class OpenAIController(Controller):
             constraint=plan.constraint))
         requests = _copies(core, data.n or 1)
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        wrap = _tool_parsing(plan)
+        wrap = tool_parsing(plan)
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            with _blamed(plan.blame):
-                admission, served = await _start_streams(gateway, route, requests)
+            with blamed_on(plan.blame):
+                admission, served = await start_streams(gateway, route, requests)
             if wrap is not None:
                 for s in served:
                     s.events = wrap(s.events)
             events = self._chat_stream(admission, served, data.model or route.name, response_id, created,
                                        want_logprobs, include_usage, plan)
-            return await _stream_response(events, served, route)
+            return await stream_response(events, served, route)
         async with gateway.admit(route):
-            with _blamed(plan.blame):
+            with blamed_on(plan.blame):
                 results = await unless_disconnected(
                     request.receive, gather_all([generate_whole(gateway, route, r, wrap) for r in requests]))
         choices = [self._chat_choice(i, r, want_logprobs, plan.named) for i, r in enumerate(results)]
@@ -192,7 +192,7 @@ class OpenAIController(Controller):
     @post("/completions", summary="Text completion (OpenAI legacy)", operation_id="create_completion",
           status_code=200)
     async def completions(self, data: CompletionRequest, gateway: Gateway, request: Request) -> Response | Stream:
-        route = _route(gateway, request, data.model, data.user)
+        route = authorized_route(gateway, request, data.model, data.user)
         server = gateway.config.server
         check_common(data, server)
         prompts = completion_prompts(data)
@@ -219,13 +219,13 @@ class OpenAIController(Controller):
         blame = asked.param if asked is not None else None
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            with _blamed(blame):
-                admission, served = await _start_streams(gateway, route, requests)
+            with blamed_on(blame):
+                admission, served = await start_streams(gateway, route, requests)
             events = self._completion_stream(admission, served, echoes, model, response_id, created,
                                              data.logprobs, include_usage, n)
-            return await _stream_response(events, served, route)
+            return await stream_response(events, served, route)
         async with gateway.admit(route):
-            with _blamed(blame):
+            with blamed_on(blame):
                 results = await unless_disconnected(
                     request.receive, gather_all([generate_whole(gateway, route, r) for r in requests]))
         choices = [CompletionChoice(index=i, text=echoes[i] + r.text,
@@ -271,7 +271,7 @@ class OpenAIController(Controller):
 
 
 @contextlib.contextmanager
-def _blamed(param: str | None) -> Iterator[None]:
+def blamed_on(param: str | None) -> Iterator[None]:
     """A backend's validation error names no field; with a constraint asked, the constraint is what it
     refused (the door checked everything else first): OpenAI's `param` names the field that asked."""
     try:
@@ -282,7 +282,7 @@ def _blamed(param: str | None) -> Iterator[None]:
         raise
 
 
-def _tool_parsing(plan: ChatPlan) -> Wrap | None:
+def tool_parsing(plan: ChatPlan) -> Wrap | None:
     """The gateway's tool-call parser over each choice's events (its own parser per choice)."""
     if plan.parsed is None:
         return None
@@ -302,7 +302,7 @@ def _chunker(kind: type[ChatCompletionChunk] | type[CompletionResponse], respons
     return chunk
 
 
-def _route(gw: Gateway, request: Request, model: str | None, user: str | None) -> ModelRoute:
+def authorized_route(gw: Gateway, request: Request, model: str | None, user: str | None) -> ModelRoute:
     route = gw.router.require(model, header_key=request.headers.get(gw.config.server.sticky_header), user_key=user)
     KeyRing.authorize(current_principal.get(), route.name)
     rec = current_record.get()
@@ -311,7 +311,7 @@ def _route(gw: Gateway, request: Request, model: str | None, user: str | None) -
     return route
 
 
-async def _start_streams(gw: Gateway, route: ModelRoute,
+async def start_streams(gw: Gateway, route: ModelRoute,
                          requests: list[GenerationRequest]) -> tuple[Admission, list[Served]]:
     """Admit and start every choice before answering: a failure before the first token is still an
     HTTP error, and `x-backend` can name who serves."""
@@ -323,7 +323,7 @@ async def _start_streams(gw: Gateway, route: ModelRoute,
         raise
 
 
-async def _stream_response(events: AsyncIterator[bytes], served: list[Served], route: ModelRoute) -> Stream:
+async def stream_response(events: AsyncIterator[bytes], served: list[Served], route: ModelRoute) -> Stream:
     await events.__anext__()  # primed: from here its `finally` runs however the response ends
     return Stream(with_keepalive(events), media_type="text/event-stream",
                   headers=SSE_HEADERS | route.served_headers(served[0].backend))
