@@ -252,3 +252,33 @@ def test_a_token_id_past_64_bits_is_a_400_not_a_500(tmp_path: Path) -> None:
         ok = httpx.post(f"{url}/v1/completions", json={"model": "smollm2", "prompt": [1, 2, 3], "max_tokens": 2},
                         timeout=CLIENT_TIMEOUT)
         assert ok.status_code == 200, ok.text
+
+
+async def test_an_adapter_loaded_at_run_time_is_back_before_a_restarted_worker_serves(smollm_dir: Path,
+                                                                                     tmp_path: Path) -> None:
+    """A worker killed after an adapter was loaded through the admin API: once it is "ready" again, the
+    adapter is there, so no request in between finds it missing."""
+    import asyncio
+
+    from tests.lora_helpers import make_adapter
+
+    backend = EngineWorkerBackend("w", EngineSettings(model=str(smollm_dir), dtype="float32", kv_cache_mb=32,
+                                                      workers="process"))
+    await backend.start()
+    try:
+        await backend.load_adapter("late", make_adapter(smollm_dir, tmp_path / "late", seed=3, rank=4))
+        old_pid = backend.pid
+        assert old_pid is not None
+        os.kill(old_pid, signal.SIGKILL)
+        async with asyncio.timeout(CLIENT_TIMEOUT):
+            while backend.state == "ready":  # the supervisor notices the death
+                await asyncio.sleep(0.01)
+            while backend.state != "ready":
+                await asyncio.sleep(0.01)
+        assert backend.restarts == 1 and backend.pid != old_pid
+        request = GenerationRequest(request_id="after", model="m", prompt="Hello", max_new_tokens=3, adapter="late")
+        async with asyncio.timeout(CLIENT_TIMEOUT):
+            events = [e async for e in backend.generate(request)]
+        assert events[-1].finished
+    finally:
+        await backend.aclose()

@@ -159,8 +159,8 @@ class EngineWorkerBackend:
                 except Exception as exc:
                     self.load_error = str(exc)
                     log.error("backend %s: engine worker restart failed: %s", self.name, exc)
+            await self._reload_adapters()  # before it takes requests, so none finds its adapter missing
             self.state = "ready"
-            await self._reload_adapters()
 
     async def _wait_or_kill_hung(self, conn: Connection) -> int:
         """The worker's exit code; a worker that stopped answering (a wedged step loop) is killed first."""
@@ -282,9 +282,11 @@ class EngineWorkerBackend:
     async def call(self, method: str, *args: Any, returns: Any = Any) -> Any:
         """Call the worker's backend method `method(*args)` (awaited there if it is async); its result is
         decoded as `returns`. The command channel: whatever EngineBackend gains works through the worker."""
-        conn = self._conn
-        if conn is None or self.state != "ready":
+        if self._conn is None or self.state != "ready":
             raise BackendUnavailableError(self.load_error or f"{self.name}: the engine worker is {self.state}")
+        return await self._call(self._conn, method, args, returns)
+
+    async def _call(self, conn: Connection, method: str, args: tuple[Any, ...], returns: Any) -> Any:
         call = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call] = (future, returns)
@@ -318,7 +320,8 @@ class EngineWorkerBackend:
         """After a restart: the adapters loaded at run time, loaded again (the config's load at start)."""
         for name, path in list(self._loaded_at_runtime.items()):
             try:
-                await self.call("load_adapter", name, path)
+                assert self._conn is not None
+                await self._call(self._conn, "load_adapter", (name, path), Any)
             except BackendError as exc:
                 log.error("backend %s: adapter %s not loaded again after the restart: %s", self.name, name, exc)
 
