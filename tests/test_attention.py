@@ -9,18 +9,14 @@ import torch.nn.functional as F
 from engine_core.attention import AttentionBackend, AttentionMetadata, TorchReferenceAttention
 from engine_core.attention.cpu_paged import CpuPagedAttention
 from engine_core.attention.torch_ref import _grouped_decode
-from engine_core.cpu_kernels import build_for_isa
+from tests.kernel_helpers import ISAS, kernels_for
 
-# The compiled kernels of both kinds of machine the engine runs on: AVX-512 BF16 and AVX2 only. A CPU
-# runs the builds for its own ISA and below; the others are skipped, with the reason.
-ISAS = ["avx512_bf16", "avx2"]
+# The compiled kernels of both kinds of machine the engine runs on: AVX-512 BF16 and AVX2 only (ISAS). A
+# CPU runs the builds for its own ISA and below; the others are skipped, with the reason.
 
 
 def kernel_for(isa: str):  # type: ignore[no-untyped-def]
-    build = build_for_isa(isa)
-    if build is None:
-        pytest.skip(f"this CPU cannot run the {isa} build (or there is no C++ compiler)")
-    return build.module.paged_decode
+    return kernels_for(isa).paged_decode
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

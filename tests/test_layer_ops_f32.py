@@ -9,18 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.cpu_kernels import build_for_isa
 from engine_core.models.layer_ops import FusedLayerOps, TorchLayerOps
 from engine_core.models.rope import RotaryEmbedding
-
-ISAS = ["avx512_bf16", "avx2"]
-
-
-def kernels_for(isa: str):  # type: ignore[no-untyped-def]
-    build = build_for_isa(isa)
-    if build is None:
-        pytest.skip(f"this CPU cannot run the {isa} build (or there is no C++ compiler)")
-    return build.module
+from tests.kernel_helpers import ISAS, kernels_for
 
 
 @pytest.mark.parametrize("isa", ISAS)

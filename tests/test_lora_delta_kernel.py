@@ -9,18 +9,9 @@ import pytest
 import torch
 
 from engine_core import EngineConfig, LLMEngine, SamplingParams
-from engine_core.cpu_kernels import build_for_isa
 from tests.engine_helpers import random_prompts
+from tests.kernel_helpers import ISAS, kernels_for
 from tests.lora_helpers import make_adapter
-
-ISAS = ["avx512_bf16", "avx2"]
-
-
-def kernels_for(isa: str):  # type: ignore[no-untyped-def]
-    build = build_for_isa(isa)
-    if build is None:
-        pytest.skip(f"this CPU cannot run the {isa} build (or there is no C++ compiler)")
-    return build.module
 
 
 def reference_delta(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,

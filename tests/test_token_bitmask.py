@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.cpu_kernels import build_for_isa
+from tests.kernel_helpers import ISAS, kernels_for
 
 xgr = pytest.importorskip("xgrammar")
-ISAS = ["avx512_bf16", "avx2"]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -16,9 +15,7 @@ ISAS = ["avx512_bf16", "avx2"]
 @pytest.mark.parametrize("vocab", [49152, 1000])  # a whole number of words, and a ragged last word
 def test_bitmask_kernel_masks_exactly_the_refused_tokens_of_the_chosen_rows(isa: str, dtype: torch.dtype,
                                                                                vocab: int) -> None:
-    build = build_for_isa(isa)
-    if build is None:
-        pytest.skip(f"this CPU cannot run the {isa} build (or there is no C++ compiler)")
+    kernels = kernels_for(isa)
     g = torch.Generator().manual_seed(0)
     rows, words = 6, (vocab + 31) // 32
     # words of every kind: all allowed, all refused, and random bits
@@ -29,14 +26,11 @@ def test_bitmask_kernel_masks_exactly_the_refused_tokens_of_the_chosen_rows(isa:
     chosen = [0, 1, 4]
     expected = logits.clone()
     xgr.apply_token_bitmask_inplace(expected, mask, vocab_size=vocab, indices=chosen)
-    build.module.apply_token_bitmask_(logits, mask, chosen)
+    kernels.apply_token_bitmask_(logits, mask, chosen)
     assert torch.equal(logits, expected)
     assert torch.isinf(logits[1]).any() and torch.isfinite(logits[2]).all()  # row 2 was not chosen
 
 
 def test_bitmask_kernel_refuses_a_row_outside_the_logits() -> None:
-    build = build_for_isa("avx2")
-    if build is None:
-        pytest.skip("this CPU cannot run the avx2 build (or there is no C++ compiler)")
     with pytest.raises(RuntimeError, match="out of range"):
-        build.module.apply_token_bitmask_(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int32), [2])
+        kernels_for("avx2").apply_token_bitmask_(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int32), [2])
