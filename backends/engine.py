@@ -96,6 +96,9 @@ class EngineBackend:
         engine = AsyncEngine(lambda: LLMEngine(config, self.progress))  # built in its step thread
         try:
             await engine.ready()
+        except asyncio.CancelledError:  # the gateway stopped or reloaded while loading: no thread left behind
+            engine.shutdown(timeout=0)  # the thread ends once the build does
+            raise
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
