@@ -1,15 +1,10 @@
-"""API keys, admission control, retries, timeouts and client limits, through a real gateway process
-in front of scripted upstreams."""
+"""API keys, admission control, retries and timeouts, through a real gateway process in front of scripted
+upstreams (tests/guarded_gateway.py)."""
 
 from __future__ import annotations
 
 import json
-import re
-import socket
 import threading
-from collections.abc import Iterator
-from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,161 +12,12 @@ import openai
 import pytest
 from huggingface_hub import InferenceClient
 
-from tests.recordings import openai_text_routes
-from tests.server import CLIENT_TIMEOUT, WAIT, running_gateway, wait_until
-from tests.upstream import CUT, Hold, Reply, ScriptedUpstream, scripted_upstream, sse
+from tests import guarded_gateway
+from tests.guarded_gateway import CHAT, KEY_A, KEY_OPS, KEY_T, OPS, auth, chat, get, openai_error, post, tgi_error
+from tests.server import CLIENT_TIMEOUT, wait_until
+from tests.upstream import Hold, ScriptedUpstream
 
-KEY_A = "a-secret-0123456789"  # from the environment
-KEY_OPS = "ops-secret-0123456789"  # in the file
-KEY_T = "tokens-secret-0123456789"  # 12 tokens per minute
-CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
-
-
-OPS = auth(KEY_OPS)
-
-
-def flaky_routes(failures: int) -> tuple[dict, list[int]]:
-    """503 for the first `failures` requests, then a normal answer; counts requests."""
-    good = openai_text_routes("Recovered fine")
-    calls = [0]
-
-    def answer(path: str):  # noqa: ANN202
-        def reply(body: dict[str, Any]) -> Reply:
-            calls[0] += 1
-            if calls[0] <= failures:
-                return Reply([b'{"error": {"message": "warming up"}}'], 503, "application/json")
-            route = good[("POST", path)]
-            return route(body) if callable(route) else route
-        return reply
-
-    routes = {**good, ("POST", "/v1/chat/completions"): answer("/v1/chat/completions")}
-    return routes, calls
-
-
-def hang_after_first() -> dict:
-    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
-             "choices": [{"index": 0, "delta": {"content": "Start"}, "finish_reason": None}]}
-    return {("GET", "/v1/models"): Reply([b"{}"], 200, "application/json"),
-            ("POST", "/v1/chat/completions"): Reply([sse(chunk), 30.0, sse(chunk)])}
-
-
-def garbage() -> dict:
-    return {("GET", "/v1/models"): Reply([b"{}"], 200, "application/json"),
-            ("POST", "/v1/chat/completions"): Reply([b"data: {not json at all\n\n", b"\x00\xff junk", CUT])}
-
-
-def firehose() -> dict:
-    """A stream far larger than any socket buffer: 3,000 events of 8 KB, as fast as it can be read."""
-    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
-             "choices": [{"index": 0, "delta": {"content": "x" * 8192}, "finish_reason": None}]}
-    return {("GET", "/v1/models"): Reply([b"{}"], 200, "application/json"),
-            ("POST", "/v1/chat/completions"): Reply([sse(chunk)] * 3000)}
-
-
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Any], Path]]:
-    flaky2, calls2 = flaky_routes(2)
-    flaky5, calls5 = flaky_routes(5)
-    gate = Hold()  # the "gated" upstream answers only once a test opens it
-    with ExitStack() as stack:
-        up: dict[str, ScriptedUpstream] = {name: stack.enter_context(scripted_upstream(routes)) for name, routes in {
-            "good": openai_text_routes("Hello world!"), "slow": openai_text_routes("Slow answer", first_delay=1.5),
-            "gated": openai_text_routes("Held answer", hold=gate),
-            "flaky2": flaky2, "flaky5": flaky5, "hang": hang_after_first(), "garbage": garbage(),
-            "firehose": firehose()}.items()}
-        backends = "".join(f'[backends.{n}]\ntype = "openai"\nbase_url = "{u.url}"\nmodel = "m"\n'
-                           f"first_token_timeout = {WAIT}\nidle_timeout = 60\n\n"
-                           for n, u in up.items())
-        config = f"""
-[server]
-max_body_bytes = 20000
-body_timeout = 1.0
-send_timeout = 1.0
-health_check_interval = 60
-eject_after_failures = 1000
-
-[auth]
-protect_metrics = true
-[[auth.keys]]
-name = "team-a"
-key_env = "LLMGW_TEST_KEY_A"
-models = ["open"]
-requests_per_minute = 3
-[[auth.keys]]
-name = "team-t"
-key = "{KEY_T}"
-tokens_per_minute = 12
-[[auth.keys]]
-name = "ops"
-key = "{KEY_OPS}"
-
-{backends}
-[models.open]
-backend = "good"
-[models.other]
-backend = "good"
-[models.one-at-a-time]
-backend = "gated"
-max_concurrent_requests = 1
-max_queued_requests = 1
-max_queue_wait = 2.0
-[models.patient]
-backend = "slow"
-max_concurrent_requests = 1
-max_queued_requests = 4
-max_queue_wait = 10
-[models.retried]
-backend = "flaky2"
-retries = 2
-retry_backoff = 0.05
-[models.retried-not-enough]
-backend = "flaky5"
-retries = 1
-retry_backoff = 0.05
-[models.deadline]
-backend = "hang"
-request_timeout = 1.0
-[models.firehose]
-backend = "firehose"
-[models.garbage]
-backend = "garbage"
-[models.slow-with-deadline]
-backend = "slow"
-request_timeout = 0.5
-"""
-        tmp = tmp_path_factory.mktemp("guarded")
-        url = stack.enter_context(running_gateway(config, tmp, env={"LLMGW_TEST_KEY_A": KEY_A}))
-        yield url, {"calls2": calls2, "calls5": calls5, "gate": gate, **up}, tmp / "server.log"
-
-
-def chat(url: str, model: str, key: str = KEY_OPS, stream: bool = False, **extra: Any) -> httpx.Response:
-    return httpx.post(f"{url}/v1/chat/completions", headers=auth(key),
-                      json={"model": model, "stream": stream, **CHAT, **extra}, timeout=CLIENT_TIMEOUT)
-
-
-def get(url: str, **kw: Any) -> httpx.Response:
-    return httpx.get(url, timeout=CLIENT_TIMEOUT, **kw)
-
-
-def post(url: str, **kw: Any) -> httpx.Response:
-    return httpx.post(url, timeout=CLIENT_TIMEOUT, **kw)
-
-
-def openai_error(r: httpx.Response) -> dict[str, Any]:
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, r.text
-    return body["error"]
-
-
-def tgi_error(r: httpx.Response) -> dict[str, Any]:
-    body = r.json()
-    assert set(body) == {"error", "error_type"}, r.text
-    return body
-
+guarded = guarded_gateway.guarded  # the module-scoped fixture: a gateway of this module's own
 
 # API keys
 
@@ -340,69 +186,3 @@ def test_garbage_from_upstream_is_a_clean_error_and_the_gateway_stays_up(guarded
     raw = chat(url, "garbage", stream=True)
     assert raw.status_code in (200, 502) and "Traceback" not in raw.text
     assert chat(url, "other").status_code == 200
-
-
-# client limits
-
-def test_oversized_body_gets_413_in_the_protocols_shape(guarded: tuple) -> None:
-    url, _, _ = guarded
-    big = "x" * 30_000
-    r = post(f"{url}/v1/chat/completions", headers=OPS,
-             json={"model": "open", "messages": [{"role": "user", "content": big}]})
-    assert r.status_code == 413 and openai_error(r)["type"] == "invalid_request_error"
-    r = post(f"{url}/generate", headers=OPS, json={"inputs": big})
-    assert r.status_code == 413 and tgi_error(r)["error_type"] == "payload_too_large"
-
-
-def body_length(answer: bytes) -> int:
-    head = answer.split(b"\r\n\r\n", 1)[0].decode().lower()
-    return next((int(line.split(":", 1)[1]) for line in head.split("\r\n") if line.startswith("content-length:")), 0)
-
-
-def read_answer(conn: socket.socket) -> str:
-    """One whole HTTP answer, however the network splits it (head and body may come in separate reads)."""
-    answer = b""
-    while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < body_length(answer):
-        chunk = conn.recv(65536)
-        if not chunk:
-            break
-        answer += chunk
-    return answer.decode()
-
-
-def test_a_client_that_sends_its_body_too_slowly_is_cut_off_with_408(guarded: tuple) -> None:
-    url, _, _ = guarded
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=CLIENT_TIMEOUT) as conn:
-        conn.sendall(f"POST /generate HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY_OPS}\r\n"
-                     "content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"inp".encode())
-        answer = read_answer(conn)  # the rest of the body never comes: only body_timeout answers this
-    assert answer.startswith("HTTP/1.1 408")
-    assert json.loads(answer.split("\r\n\r\n", 1)[1])["error_type"] == "request_timeout"
-
-
-def test_a_client_that_stops_reading_is_cut_off_and_its_request_freed(guarded: tuple) -> None:
-    url, upstreams, log = guarded
-    firehose: ScriptedUpstream = upstreams["firehose"]
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "firehose", "stream": True, **CHAT}).encode()
-    with socket.socket() as conn:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        conn.connect((host, int(port)))
-        conn.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY_OPS}\r\n"
-                     f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
-        # streaming into a client that reads nothing: the request reached the upstream, which streams on
-        wait_until(lambda: any(r.path == "/v1/chat/completions" for r in firehose.requests), "the upstream called")
-        wait_until(lambda: in_flight(url) == 0, "the request freed (send_timeout is 1 s)", interval=0.2)
-        # ...while the client still holds its socket open, and never read the stream's end
-        assert not any(r.answered for r in firehose.requests if r.path == "/v1/chat/completions")
-    # the stream's cleanup ran (it gives back the admission, then closes the upstream request, which the
-    # upstream notices at its next write)
-    wait_until(lambda: firehose.broken_writes >= 1, "the upstream request closed")
-    assert "client stopped reading" in log.read_text() and "Exception in ASGI application" not in log.read_text()
-
-
-def in_flight(url: str) -> float:
-    text = get(f"{url}/metrics", headers=OPS).text
-    found = re.search(r'^llmgw_requests_in_flight{route="/v1/chat/completions"} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
