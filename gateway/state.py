@@ -191,9 +191,8 @@ class Gateway:
                 states[name] = f"starting: {step}" if step else "starting"
             else:
                 states[name] = self.health.describe(name)
-                worker = getattr(backend, "describe_state", None)  # an engine worker: restarting, restarts
-                if worker is not None and worker() != "ready":
-                    states[name] += f"; engine worker {worker()}"
+                if (worker := _worker_note(backend)) is not None:
+                    states[name] += f"; {worker}"
                 replicas = getattr(backend, "replica_states", None)
                 if replicas is not None:  # a pool: how many of its replicas serve, and what the others do
                     serving = [r for r in replicas() if r.state() == "healthy"]
@@ -363,10 +362,15 @@ def _engines_of(name: str, backend: Any) -> list[tuple[str, Any]]:
     return [(label, b) for label, b in members if hasattr(b, "step_listeners") or hasattr(b, "engine")]
 
 
+def _worker_note(backend: Any) -> str | None:
+    """An engine worker that is not ready, in words ("engine worker restarting (restart 1; ...)"); else None."""
+    worker = getattr(backend, "describe_state", None)
+    return f"engine worker {worker()}" if worker is not None and worker() != "ready" else None
+
+
 def _replica_state(replica: Any) -> str:
     """A replica that is not serving, in words: its health, and an engine worker's own state."""
-    worker = getattr(replica.backend, "describe_state", None)
-    if worker is not None and worker() != "ready":
-        return f"{replica.state()}, engine worker {worker()}"
+    if (worker := _worker_note(replica.backend)) is not None:
+        return f"{replica.state()}, {worker}"
     step = getattr(replica.backend, "startup_step", lambda: None)()
     return f"{replica.state()}, starting: {step}" if step else replica.state()
