@@ -159,19 +159,30 @@ async def run_workload(url: str, prompts: list[str], output_len: int, concurrenc
             "prompt_tokens": sum(r["prompt_tokens"] for r in results)}
 
 
-def prefix_cache_figures(replicas: list[str], prompt_tokens: int, block_size: int = 16) -> dict[str, Any]:
-    """Each replica's prefix-cache blocks looked up and reused (the engine's own counters; a lookup stops at
-    the first miss), and the share of all prompt tokens served from the caches."""
+def metric_samples(url: str) -> list[Any]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    queries, hits = [], []
+    return [s for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in family.samples]
+
+
+def replica_figures(replicas: list[str], prompt_tokens: int, seconds: float, block_size: int = 16) -> dict[str, Any]:
+    """Each replica's prefix-cache blocks looked up and reused (the engine's own counters; a lookup stops at
+    the first miss), the share of all prompt tokens served from the caches, and the share of the run each
+    replica spent in engine steps (busy: the rest it idled)."""
+    queries, hits, busy = [], [], []
     for url in replicas:
-        values = {s.name: s.value for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-                  for s in family.samples}
+        values = {s.name: s.value for s in metric_samples(url) if not s.labels.get("le")}
         queries.append(values.get("llmgw_engine_prefix_cache_queries_total", 0.0))
         hits.append(values.get("llmgw_engine_prefix_cache_hits_total", 0.0))
-    return {"prefix_queries": queries, "prefix_hits": hits,
+        busy.append(values.get("llmgw_engine_step_seconds_sum", 0.0) / seconds)
+    return {"prefix_queries": queries, "prefix_hits": hits, "replica_busy": busy,
             "prefix_hit_rate": sum(hits) * block_size / prompt_tokens if prompt_tokens else 0.0}
+
+
+def front_choices(front_url: str) -> dict[str, int]:
+    """Our gateway's balancer choices in the run, as `replica/reason`: count."""
+    return {f"{s.labels['replica']}/{s.labels['reason']}": int(s.value) for s in metric_samples(front_url)
+            if s.name == "llmgw_balancer_choices_total"}
 
 
 def start_replicas(stack: ExitStack, out: Path, kv_mb: int, tag: str) -> list[str]:
@@ -216,6 +227,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--fronts", nargs="+", default=["prefix", "round_robin", "least_load", "sglang-router"])
+    parser.add_argument("--workloads", nargs="+", default=["shared_prefix", "zero_reuse"])
     parser.add_argument("--abs-threshold", type=float, default=8.0, help="the prefix policy's imbalance gate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench-results" / "routing")
@@ -242,17 +254,23 @@ def main() -> None:
             print("sglang-router: skipped, no .venv-router (see the docstring)", flush=True)
             continue
         for name, prompts in (("shared_prefix", shared), ("zero_reuse", control)):
+            if name not in args.workloads:
+                continue
             with ExitStack() as stack:
                 replicas = start_replicas(stack, args.out_dir, kv_mb, f"{front}-{name}")
                 url = start_front(stack, args.out_dir, front, replicas, args.abs_threshold)
                 asyncio.run(run_workload(url, ["warm up " + " ".join(words[:20])], 4, 1))
                 figures = asyncio.run(run_workload(url, prompts, args.output_len, args.concurrency))
-                figures |= prefix_cache_figures(replicas, figures["prompt_tokens"])
+                figures |= replica_figures(replicas, figures["prompt_tokens"], figures["seconds"])
+                if front != "sglang-router":
+                    figures["choices"] = front_choices(url)
             results.setdefault(front, {})[name] = figures
             print(f"{front:14s} {name:13s}: {figures['output_tok_per_s']:6.1f} tok/s, TTFT p50 "
                   f"{figures['ttft_p50_ms']:7.0f} ms, p90 {figures['ttft_p90_ms']:7.0f} ms, prefix hits "
                   f"{100 * figures['prefix_hit_rate']:4.1f}% of prompt tokens (blocks reused per replica "
-                  f"{[int(h) for h in figures['prefix_hits']]}), errors {figures['errors']}", flush=True)
+                  f"{[int(h) for h in figures['prefix_hits']]}), replicas busy "
+                  f"{[round(b, 2) for b in figures['replica_busy']]}, errors {figures['errors']}"
+                  f"{', choices ' + str(figures['choices']) if 'choices' in figures else ''}", flush=True)
 
     print(f"== {describe_cpu()}")
     base = results.get("round_robin")

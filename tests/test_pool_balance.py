@@ -151,14 +151,34 @@ def test_imbalanced_load_overrides_prefix_affinity() -> None:
     assert policy.choose(pool, hashes(prompt(1, 3))).reason == "prefix_hit"
 
 
-def test_a_short_match_is_cold_and_goes_by_load() -> None:
+def test_a_short_match_is_cold_and_goes_to_the_replica_holding_fewer_blocks() -> None:
     pool = replicas(2)
     policy = PrefixAware(PoolFields(cache_threshold=0.5))
     common = "c" * 128  # two blocks in common, then each prompt its own eight
     first = policy.choose(pool, hashes(common + "a" * 512)).replica
-    first.in_flight = 1
     choice = policy.choose(pool, hashes(common + "b" * 512))
     assert choice.reason == "cold" and choice.replica is not first
+
+
+def test_new_prefix_groups_split_evenly_even_when_the_emptier_replica_is_busier_by_one() -> None:
+    """A cold prompt's followers go where it went, so a load difference of one request at that moment
+    must not decide where a whole group lives: the replica holding fewer blocks takes it."""
+    pool = replicas(2)
+    policy = PrefixAware(PoolFields())
+    homes: dict[int, str] = {}
+    for group in range(8):
+        groups_held = Counter(homes.values())
+        emptier = min(pool, key=lambda r: groups_held[r.id])
+        for replica in pool:  # the replica with fewer groups has one request more in flight
+            replica.in_flight = 1 if replica is emptier else 0
+        choice = policy.choose(pool, hashes(prompt(group, 0)))
+        assert choice.reason == "cold"
+        homes[group] = choice.replica.id
+        for question in range(1, 3):
+            assert policy.choose(pool, hashes(prompt(group, question))).replica.id == homes[group]
+    assert Counter(homes.values()) == Counter({pool[0].id: 4, pool[1].id: 4})
+    idle = next(r for r in pool if r is not emptier)
+    assert policy.choose(pool, hashes(prompt(9, 0))).replica is idle  # equal blocks held: load decides
 
 
 def test_make_policy_follows_the_setting() -> None:
