@@ -1,5 +1,5 @@
 // One extension module for the CPU kernels: paged decode attention, the grammar bitmask, the LoRA delta and the
-// fp32 fused layer ops always, the bf16 fused layer ops where the CPU has AVX-512 BF16 (Python checks for them by name).
+// fp32 fused layer ops always, the bf16 fused layer ops and linear where the CPU has AVX-512 BF16 (Python checks for them by name).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
@@ -15,6 +15,8 @@ void lora_delta_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Ten
 torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                          c10::optional<torch::Tensor> bias);
 #endif
 
 // The widest vector path this build was compiled for; Python refuses a build its CPU cannot run.
@@ -47,5 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, with an optional residual add in place (bf16)", release());
   m.def("rotary_", &rotary_, "rotary embeddings in place, rotate-half layout (bf16)", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [T, 2I] projection (bf16)", release());
+  m.def("linear_bf16", &linear_bf16, "x · Wᵀ (+ bias) over a weight packed in blocks of 16 columns (bf16)",
+        release());
 #endif
 }

@@ -1,15 +1,24 @@
-"""Linear layers with the weight pre-packed for oneDNN on CPU.
+"""Linear layers with the weight packed once at load time, for the fastest CPU matmul this machine has.
 
-For bf16 on CPU, a weight reordered once into oneDNN's blocked layout multiplies 1.1x (batch 128)
-to 1.9x (batch 1) faster than `F.linear` on the plain weight, with bit-identical results
-(measured on this project's machine: BENCHMARKS.md). fp32 stays on `F.linear`: packing changes
-its rounding, and the fp32 path is the one checked token for token against transformers.
+- bf16 on a CPU with AVX-512 BF16 and the compiled kernels: the engine's own `linear_bf16`
+  (`engine_core/csrc/linear_bf16.cpp`) over a weight packed in blocks of 16 output columns x 2 inputs.
+  A decode step streams the weights at about memory bandwidth: single-threaded, a step's matmuls at
+  batch 1-4 take ~0.55x oneDNN's time on its prepacked weight, and are level with it at prefill sizes
+  (BENCHMARKS.md). The packed copy replaces the plain weight, so memory stays the same.
+- other bf16 on CPU: the weight reordered once into oneDNN's blocked layout, 1.1x (batch 128) to 1.9x
+  (batch 1) faster than `F.linear` on the plain weight, with bit-identical results.
+- fp32 stays on `F.linear`: packing changes its rounding, and the fp32 path is the one checked token for
+  token against transformers.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
+
+BLOCK = 16  # output columns per packed block: one AVX-512 vector of fp32 accumulators
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -17,20 +26,39 @@ def _can_pack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] → [ceil(N/16), K/2, 16, 2]: packed[b, k, j, t] = weight[16b + j, 2k + t], N padded with zeros."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -n % BLOCK))
+    return padded.view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernels: ModuleType | None = None) -> None:
         self.out_features = weight.shape[0]
         self.bias = bias
         self.weight: torch.Tensor | None = weight
-        self.packed: torch.Tensor | None = None
-        if _can_pack(weight):
+        self.packed: torch.Tensor | None = None  # oneDNN's layout
+        self.blocks: torch.Tensor | None = None  # linear_bf16's layout
+        self.kernel = getattr(kernels, "linear_bf16", None)
+        if self.kernel is not None and _can_pack(weight) and weight.shape[1] % 2 == 0:
+            self.blocks = pack_blocks(weight)
+            self.weight = None  # the packed copy replaces it
+        elif _can_pack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-                self.weight = None  # the packed copy replaces it
+                self.weight = None
             except RuntimeError:  # an old oneDNN or an unsupported shape: plain matmuls
                 self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            out = self.kernel(rows, self.blocks, self.out_features, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -5,6 +5,8 @@ Weights come straight from the HF state dict; q/k/v and gate/up are fused into o
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
@@ -19,7 +21,7 @@ from engine_core.models.rope import RotaryEmbedding
 
 class LlamaLayer:
     def __init__(self, state: dict[str, torch.Tensor], prefix: str, args: ModelArgs, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kernels: ModuleType | None) -> None:
         def take(name: str) -> torch.Tensor:
             try:
                 return state.pop(prefix + name).to(device=device, dtype=dtype)
@@ -28,10 +30,12 @@ class LlamaLayer:
 
         attn = "self_attn."
         self.qkv = Linear(torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"]).contiguous(),
-                          torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]) if args.attention_bias else None)
-        self.o = Linear(take(attn + "o_proj.weight"))
-        self.gate_up = Linear(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous())
-        self.down = Linear(take("mlp.down_proj.weight"))
+                          torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]) if args.attention_bias else None,
+                          kernels)
+        self.o = Linear(take(attn + "o_proj.weight"), kernels=kernels)
+        self.gate_up = Linear(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous(),
+                              kernels=kernels)
+        self.down = Linear(take("mlp.down_proj.weight"), kernels=kernels)
         self.input_norm = take("input_layernorm.weight")
         self.post_attention_norm = take("post_attention_layernorm.weight")
 
@@ -52,12 +56,13 @@ class LlamaModel:
             self.norm = state.pop("model.norm.weight").to(device=device, dtype=dtype)
         except KeyError as exc:
             raise ModelLoadError(f"weight {exc} missing from the checkpoint") from None
+        kernels = cpu_kernels() if fused_ops and device.type == "cpu" else None
         lm_head = state.pop("lm_head.weight", None)
         tied = args.tie_word_embeddings or lm_head is None
-        self.lm_head = Linear(self.embed if tied else lm_head.to(device=device, dtype=dtype))
-        self.layers = [LlamaLayer(state, f"model.layers.{i}.", args, dtype, device) for i in range(args.num_layers)]
+        self.lm_head = Linear(self.embed if tied else lm_head.to(device=device, dtype=dtype), kernels=kernels)
+        self.layers = [LlamaLayer(state, f"model.layers.{i}.", args, dtype, device, kernels)
+                       for i in range(args.num_layers)]
         self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, dtype, device)
-        kernels = cpu_kernels() if fused_ops and device.type == "cpu" else None
         self.ops = (FusedLayerOps(self.rope, args.rms_norm_eps, kernels, dtype)
                     if FusedLayerOps.supports(kernels, dtype, args.hidden_size, args.head_dim, args.intermediate_size)
                     else TorchLayerOps(self.rope, args.rms_norm_eps))
