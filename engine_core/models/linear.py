@@ -2,9 +2,9 @@
 
 - bf16 on a CPU with AVX-512 BF16 and the compiled kernels: the engine's own `linear_bf16`
   (`engine_core/csrc/linear_bf16.cpp`) over a weight packed in blocks of 16 output columns x 2 inputs.
-  A decode step streams the weights at about memory bandwidth: single-threaded, a step's matmuls at
-  batch 1-4 take ~0.55x oneDNN's time on its prepacked weight, and are level with it at prefill sizes
-  (BENCHMARKS.md). The packed copy replaces the plain weight, so memory stays the same.
+  A decode step streams the weights at about memory bandwidth: a step's matmuls take 0.6x oneDNN's
+  time (on its prepacked weight) at 1-2 rows, 0.8x at 4-16 on two threads, and level at prefill sizes
+  (`benchmarks/linear_kernel.py`). The packed copy replaces the plain weight: memory stays the same.
 - other bf16 on CPU: the weight reordered once into oneDNN's blocked layout, 1.1x (batch 128) to 1.9x
   (batch 1) faster than `F.linear` on the plain weight, with bit-identical results.
 - fp32 stays on `F.linear`: packing changes its rounding, and the fp32 path is the one checked token for
