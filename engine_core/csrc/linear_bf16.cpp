@@ -114,7 +114,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   torch::Tensor bias_f32;
   if (bias) {
     TORCH_CHECK(bias->numel() == out_features, "bias: [", out_features, "]");
-    bias_f32 = bias->to(at::kFloat).contiguous();
+    bias_f32 = bias->to(at::kFloat).contiguous();  // no copy for the fp32 bias Linear keeps
   }
   auto y = torch::empty({rows, out_features}, x.options());
   if (rows == 0) return y;

@@ -42,15 +42,17 @@ class Linear:
         self.packed: torch.Tensor | None = None  # oneDNN's layout
         self.blocks: torch.Tensor | None = None  # linear_bf16's layout
         self.kernel = getattr(kernels, "linear_bf16", None)
-        if self.kernel is not None and _can_pack(weight) and weight.shape[1] % 2 == 0:
+        if not _can_pack(weight):
+            return
+        if self.kernel is not None and weight.shape[1] % 2 == 0:
             self.blocks = pack_blocks(weight)
-            self.weight = None  # the packed copy replaces it
-        elif _can_pack(weight):
+            self.bias = None if bias is None else bias.float()  # widened once, not in every call
+        else:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-                self.weight = None
             except RuntimeError:  # an old oneDNN or an unsupported shape: plain matmuls
-                self.packed = None
+                return
+        self.weight = None  # the packed copy replaces it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
