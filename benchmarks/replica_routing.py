@@ -12,9 +12,13 @@ Workloads (random-word text, as SGLang's generated-shared-prefix benchmark; the 
 - zero-reuse control: as many prompts, each with a prefix of its own.
 Reported: output tok/s, TTFT p50/p90 (streaming /v1/completions at --concurrency), and the replicas'
 share of prompt tokens served from their prefix caches (blocks reused, from their /metrics).
+--rounds N runs every front N times, interleaved, each against fresh replicas. Each round's ratios to
+round robin and to SGLang's router are taken within the round; the summary gives their median and every
+round's figure, since one run's ratio moves by several percent on a shared machine.
 
     .venv-router/bin/pip install sglang-router==0.3.2                     # once, in its own venv
     .venv/bin/python benchmarks/replica_routing.py --out-dir bench-results/routing
+    .venv/bin/python benchmarks/replica_routing.py --fronts prefix round_robin --workloads shared_prefix --rounds 3
     .venv/bin/python benchmarks/replica_routing.py --groups 4 --per-group 4 --prefix-words 200   # quick
 """
 
@@ -230,6 +234,8 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["shared_prefix", "zero_reuse"])
     parser.add_argument("--abs-threshold", type=float, default=8.0, help="the prefix policy's imbalance gate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every front this many times, interleaved; ratios are per round, then the median")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench-results" / "routing")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -248,41 +254,85 @@ def main() -> None:
           f"{args.groups} shared prefixes of ~{prefix_tokens} tokens; each replica's KV cache {kv_mb} MiB "
           f"(~{kv_tokens} tokens in bf16)", flush=True)
 
-    results: dict[str, dict[str, Any]] = {}
-    for front in args.fronts:
-        if front == "sglang-router" and not (ROOT / ".venv-router/bin/python").exists():
-            print("sglang-router: skipped, no .venv-router (see the docstring)", flush=True)
-            continue
-        for name, prompts in (("shared_prefix", shared), ("zero_reuse", control)):
-            if name not in args.workloads:
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for round_index in range(args.rounds):
+        results: dict[str, dict[str, Any]] = {}
+        for front in args.fronts:
+            if front == "sglang-router" and not (ROOT / ".venv-router/bin/python").exists():
+                print("sglang-router: skipped, no .venv-router (see the docstring)", flush=True)
                 continue
-            with ExitStack() as stack:
-                replicas = start_replicas(stack, args.out_dir, kv_mb, f"{front}-{name}")
-                url = start_front(stack, args.out_dir, front, replicas, args.abs_threshold)
-                asyncio.run(run_workload(url, ["warm up " + " ".join(words[:20])], 4, 1))
-                figures = asyncio.run(run_workload(url, prompts, args.output_len, args.concurrency))
-                figures |= replica_figures(replicas, figures["prompt_tokens"], figures["seconds"])
-                if front != "sglang-router":
-                    figures["choices"] = front_choices(url)
-            results.setdefault(front, {})[name] = figures
-            print(f"{front:14s} {name:13s}: {figures['output_tok_per_s']:6.1f} tok/s, TTFT p50 "
-                  f"{figures['ttft_p50_ms']:7.0f} ms, p90 {figures['ttft_p90_ms']:7.0f} ms, prefix hits "
-                  f"{100 * figures['prefix_hit_rate']:4.1f}% of prompt tokens (blocks reused per replica "
-                  f"{[int(h) for h in figures['prefix_hits']]}), replicas busy "
-                  f"{[round(b, 2) for b in figures['replica_busy']]}, errors {figures['errors']}"
-                  f"{', choices ' + str(figures['choices']) if 'choices' in figures else ''}", flush=True)
+            for name, prompts in (("shared_prefix", shared), ("zero_reuse", control)):
+                if name in args.workloads:
+                    figures = run_front(args, front, name, prompts, words, kv_mb, f"{front}-{name}-{round_index}")
+                    results.setdefault(front, {})[name] = figures
+                    print_figures(f"round {round_index + 1}: {front}", name, figures)
+        rounds.append(results)
 
     print(f"== {describe_cpu()}")
-    base = results.get("round_robin")
-    for front, runs in results.items():
-        for name, f in runs.items():
-            ratio = (f" ({f['output_tok_per_s'] / base[name]['output_tok_per_s']:.2f}x round robin's tok/s, "
-                     f"TTFT p50 {f['ttft_p50_ms'] / base[name]['ttft_p50_ms']:.2f}x)") if base and name in base else ""
-            print(f"{front:14s} {name:13s}: {f['output_tok_per_s']:6.1f} tok/s, TTFT p50 {f['ttft_p50_ms']:7.0f} ms"
-                  f"{ratio}")
+    summary = summarize(rounds)
+    for front, runs in summary.items():
+        for name, entry in runs.items():
+            print(f"{front:14s} {name:13s}: {statistics.median(entry['output_tok_per_s']):6.1f} tok/s, TTFT p50 "
+                  f"{statistics.median(entry['ttft_p50_ms']):7.0f} ms{describe_ratios(entry)}")
     (args.out_dir / "replica_routing.json").write_text(json.dumps({"cpu": describe_cpu(), "args": vars(args) | {
-        "out_dir": str(args.out_dir)}, "results": results}, indent=2))
+        "out_dir": str(args.out_dir)}, "rounds": rounds, "summary": summary}, indent=2))
     print(f"results: {args.out_dir / 'replica_routing.json'}")
+
+
+def run_front(args: argparse.Namespace, front: str, name: str, prompts: list[str], words: list[str], kv_mb: int,
+              tag: str) -> dict[str, Any]:
+    """One front over two fresh replicas (cold caches): a warm-up request, then the workload."""
+    with ExitStack() as stack:
+        replicas = start_replicas(stack, args.out_dir, kv_mb, tag)
+        url = start_front(stack, args.out_dir, front, replicas, args.abs_threshold)
+        asyncio.run(run_workload(url, ["warm up " + " ".join(words[:20])], 4, 1))
+        figures = asyncio.run(run_workload(url, prompts, args.output_len, args.concurrency))
+        figures |= replica_figures(replicas, figures["prompt_tokens"], figures["seconds"])
+        if front != "sglang-router":
+            figures["choices"] = front_choices(url)
+    return figures
+
+
+def print_figures(label: str, name: str, figures: dict[str, Any]) -> None:
+    print(f"{label:24s} {name:13s}: {figures['output_tok_per_s']:6.1f} tok/s, TTFT p50 "
+          f"{figures['ttft_p50_ms']:7.0f} ms, p90 {figures['ttft_p90_ms']:7.0f} ms, prefix hits "
+          f"{100 * figures['prefix_hit_rate']:4.1f}% of prompt tokens (blocks reused per replica "
+          f"{[int(h) for h in figures['prefix_hits']]}), replicas busy "
+          f"{[round(b, 2) for b in figures['replica_busy']]}, errors {figures['errors']}"
+          f"{', choices ' + str(figures['choices']) if 'choices' in figures else ''}", flush=True)
+
+
+REFERENCES = ("round_robin", "sglang-router")  # each front's tok/s and TTFT p50 are also given as ratios to these
+
+
+def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Per front and workload, each round's figures, and each round's ratios to the reference fronts in that
+    same round, so that the machine's drift between rounds cancels."""
+    summary: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for results in rounds:
+        for front, runs in results.items():
+            for name, f in runs.items():
+                entry = summary.setdefault(front, {}).setdefault(name, {})
+                entry.setdefault("output_tok_per_s", []).append(f["output_tok_per_s"])
+                entry.setdefault("ttft_p50_ms", []).append(f["ttft_p50_ms"])
+                for reference in REFERENCES:
+                    base = results.get(reference, {}).get(name)
+                    if base is not None and reference != front:
+                        entry.setdefault(f"tok_per_s_vs_{reference}", []).append(
+                            f["output_tok_per_s"] / base["output_tok_per_s"])
+                        entry.setdefault(f"ttft_p50_vs_{reference}", []).append(f["ttft_p50_ms"] / base["ttft_p50_ms"])
+    return summary
+
+
+def describe_ratios(entry: dict[str, list[float]]) -> str:
+    parts = []
+    for reference in REFERENCES:
+        ratios = entry.get(f"tok_per_s_vs_{reference}")
+        if ratios:
+            parts.append(f"{statistics.median(ratios):.2f}x {reference}'s tok/s (rounds "
+                         f"{', '.join(f'{r:.2f}x' for r in ratios)}), TTFT p50 "
+                         f"{statistics.median(entry[f'ttft_p50_vs_{reference}']):.2f}x")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 if __name__ == "__main__":
