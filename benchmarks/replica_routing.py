@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.engine_vs_vllm import describe_cpu, running_server  # noqa: E402
 from tests.server import free_port  # noqa: E402
 
+REFERENCES = ("round_robin", "sglang-router")  # each front's tok/s and TTFT p50 are also given as ratios to these
 KV_BYTES_PER_TOKEN_BF16 = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M: layers x (k, v) x kv heads x head dim x 2 bytes
 
 REPLICA_CONFIG = """
@@ -263,7 +264,7 @@ def main() -> None:
                 continue
             for name, prompts in (("shared_prefix", shared), ("zero_reuse", control)):
                 if name in args.workloads:
-                    figures = run_front(args, front, name, prompts, words, kv_mb, f"{front}-{name}-{round_index}")
+                    figures = run_front(args, front, prompts, words, kv_mb, f"{front}-{name}-{round_index}")
                     results.setdefault(front, {})[name] = figures
                     print_figures(f"round {round_index + 1}: {front}", name, figures)
         rounds.append(results)
@@ -279,7 +280,7 @@ def main() -> None:
     print(f"results: {args.out_dir / 'replica_routing.json'}")
 
 
-def run_front(args: argparse.Namespace, front: str, name: str, prompts: list[str], words: list[str], kv_mb: int,
+def run_front(args: argparse.Namespace, front: str, prompts: list[str], words: list[str], kv_mb: int,
               tag: str) -> dict[str, Any]:
     """One front over two fresh replicas (cold caches): a warm-up request, then the workload."""
     with ExitStack() as stack:
@@ -300,9 +301,6 @@ def print_figures(label: str, name: str, figures: dict[str, Any]) -> None:
           f"{[int(h) for h in figures['prefix_hits']]}), replicas busy "
           f"{[round(b, 2) for b in figures['replica_busy']]}, errors {figures['errors']}"
           f"{', choices ' + str(figures['choices']) if 'choices' in figures else ''}", flush=True)
-
-
-REFERENCES = ("round_robin", "sglang-router")  # each front's tok/s and TTFT p50 are also given as ratios to these
 
 
 def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, list[float]]]]:
