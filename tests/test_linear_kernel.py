@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_core.cpu_features import CpuFeatures, cpu_features
 from engine_core.models.linear import Linear, pack_blocks
 from tests.kernel_helpers import kernels_for
 
@@ -69,10 +70,31 @@ def test_a_linear_layer_takes_the_kernel_for_bf16_and_keeps_fp32_on_torch(kernel
     assert Linear(weight[:, :63].contiguous(), kernels=kernels).blocks is None  # an odd fan-in: oneDNN
 
 
-def test_the_bf16_engine_forward_with_the_kernel_matches_onednn(smollm_dir: Path, kernels) -> None:  # type: ignore[no-untyped-def]
+def test_amx_is_read_from_the_flags_and_follows_the_isa_cap() -> None:
+    amx = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert CpuFeatures("sapphire rapids", amx, "avx512_bf16").amx_bf16
+    assert not CpuFeatures("sapphire rapids, capped", amx, "avx512").amx_bf16
+    assert not CpuFeatures("zen 4", amx - {"amx_bf16", "amx_tile"}, "avx512_bf16").amx_bf16
+
+
+def test_an_amx_cpu_runs_the_engine_matmuls_on_onednn(smollm_dir: Path, kernels) -> None:  # type: ignore[no-untyped-def]
+    """oneDNN's AMX GEMM beats linear_bf16 from 2 rows up there (BENCHMARKS.md): the engine packs for it."""
+    from engine_core import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", num_blocks=16, max_num_seqs=2))
+    layers = [engine.model.lm_head, engine.model.layers[0].qkv, engine.model.layers[-1].down]
+    if cpu_features().amx_bf16:
+        assert all(layer.blocks is None and layer.packed is not None for layer in layers)
+    else:
+        assert all(layer.blocks is not None and layer.packed is None for layer in layers)
+
+
+def test_the_bf16_engine_forward_with_the_kernel_matches_onednn(smollm_dir: Path, kernels,  # type: ignore[no-untyped-def]
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from engine_core import EngineConfig, LLMEngine
     from tests.engine_helpers import random_prompts, scheduled_decode_step
 
+    monkeypatch.setattr("engine_core.models.llama.linear_kernels", lambda k: k)  # the kernel, AMX or not
     engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", num_blocks=64, max_num_seqs=4))
     model = engine.model
     assert model.layers[0].qkv.blocks is not None and model.lm_head.blocks is not None

@@ -1,12 +1,16 @@
 """Linear layers with the weight packed once at load time, for the fastest CPU matmul this machine has.
 
-- bf16 on a CPU with AVX-512 BF16 and the compiled kernels: the engine's own `linear_bf16`
+- bf16 on a CPU with AVX-512 BF16 (but no AMX) and the compiled kernels: the engine's own `linear_bf16`
   (`engine_core/csrc/linear_bf16.cpp`) over a weight packed in blocks of 16 output columns x 2 inputs.
   A decode step streams the weights at about memory bandwidth: a step's matmuls take 0.6x oneDNN's
   time (on its prepacked weight) at 1-2 rows, 0.8x at 4-16 on two threads, and level at prefill sizes
   (`benchmarks/linear_kernel.py`). The packed copy replaces the plain weight: memory stays the same.
 - other bf16 on CPU: the weight reordered once into oneDNN's blocked layout, 1.1x (batch 128) to 1.9x
-  (batch 1) faster than `F.linear` on the plain weight, with bit-identical results.
+  (batch 1) faster than `F.linear` on the plain weight, with bit-identical results. On a CPU with AMX
+  (Sapphire Rapids and later) this is the faster path from 2 rows up: oneDNN's GEMM runs on the AMX tiles,
+  where `linear_bf16` took 1.5x its time at 4 rows and 8.4x at a 665-token prefill, one thread
+  (`benchmarks/linear_kernel.py`). Only a lone decode row is faster with `linear_bf16` there (0.84x); taking
+  the kernel for it alone would need both layouts, twice the weights' memory.
 - fp32 stays on `F.linear`: packing changes its rounding, and the fp32 path is the one checked token for
   token against transformers.
 """
@@ -17,6 +21,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from engine_core.cpu_features import cpu_features
 
 BLOCK = 16  # output columns per packed block: one AVX-512 vector of fp32 accumulators
 
@@ -31,6 +37,11 @@ def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     padded = F.pad(weight, (0, 0, 0, -n % BLOCK))
     return padded.view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear_kernels(kernels: ModuleType | None) -> ModuleType | None:
+    """The compiled kernels for the model's linear layers to use: none where oneDNN is faster (AMX)."""
+    return None if cpu_features().amx_bf16 else kernels
 
 
 class Linear:

@@ -15,7 +15,7 @@ from engine_core.cpu_kernels import cpu_kernels
 from engine_core.loader import ModelArgs, ModelLoadError
 from engine_core.lora.batch import LoraBatch
 from engine_core.models.layer_ops import FusedLayerOps, TorchLayerOps
-from engine_core.models.linear import Linear
+from engine_core.models.linear import Linear, linear_kernels
 from engine_core.models.rope import RotaryEmbedding
 
 
@@ -59,8 +59,9 @@ class LlamaModel:
         kernels = cpu_kernels() if fused_ops and device.type == "cpu" else None
         lm_head = state.pop("lm_head.weight", None)
         tied = args.tie_word_embeddings or lm_head is None
-        self.lm_head = Linear(self.embed if tied else lm_head.to(device=device, dtype=dtype), kernels=kernels)
-        self.layers = [LlamaLayer(state, f"model.layers.{i}.", args, dtype, device, kernels)
+        matmuls = linear_kernels(kernels)
+        self.lm_head = Linear(self.embed if tied else lm_head.to(device=device, dtype=dtype), kernels=matmuls)
+        self.layers = [LlamaLayer(state, f"model.layers.{i}.", args, dtype, device, matmuls)
                        for i in range(args.num_layers)]
         self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling, dtype, device)
         self.ops = (FusedLayerOps(self.rope, args.rms_norm_eps, kernels, dtype)
