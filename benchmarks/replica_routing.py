@@ -28,8 +28,10 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -204,7 +206,14 @@ def start_replicas(stack: ExitStack, out: Path, kv_mb: int, tag: str) -> list[st
     return urls
 
 
-def start_front(stack: ExitStack, out: Path, front: str, replicas: list[str], abs_threshold: float) -> str:
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (the front shares the machine's cores with the replicas)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_front(stack: ExitStack, out: Path, front: str, replicas: list[str],
+                abs_threshold: float) -> tuple[str, subprocess.Popen]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if front == "sglang-router":
@@ -212,15 +221,13 @@ def start_front(stack: ExitStack, out: Path, front: str, replicas: list[str], ab
         command = [str(router), "-m", "sglang_router.launch_router", "--worker-urls", *replicas,
                    "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
                    "--health-check-endpoint", "/health"]
-        stack.enter_context(running_server(front, command, url, out / f"{front}.log"))
-        return url
+        return url, stack.enter_context(running_server(front, command, url, out / f"{front}.log"))
     config = out / f"front-{front}.toml"
     config.write_text(FRONT_CONFIG.format(port=port, endpoints=", ".join(f'"{u}"' for u in replicas),
                                           policy=front, abs_threshold=abs_threshold))
-    stack.enter_context(running_server(f"gateway {front}", [str(ROOT / ".venv/bin/llmgw"), "serve", "--config",
-                                                            str(config), "--port", str(port)],
-                                       url, out / f"front-{front}.log"))
-    return url
+    return url, stack.enter_context(running_server(f"gateway {front}", [str(ROOT / ".venv/bin/llmgw"), "serve",
+                                                                     "--config", str(config), "--port", str(port)],
+                                                    url, out / f"front-{front}.log"))
 
 
 def main() -> None:
@@ -285,9 +292,11 @@ def run_front(args: argparse.Namespace, front: str, prompts: list[str], words: l
     """One front over two fresh replicas (cold caches): a warm-up request, then the workload."""
     with ExitStack() as stack:
         replicas = start_replicas(stack, args.out_dir, kv_mb, tag)
-        url = start_front(stack, args.out_dir, front, replicas, args.abs_threshold)
+        url, proc = start_front(stack, args.out_dir, front, replicas, args.abs_threshold)
         asyncio.run(run_workload(url, ["warm up " + " ".join(words[:20])], 4, 1))
+        cpu_before = cpu_seconds(proc.pid)
         figures = asyncio.run(run_workload(url, prompts, args.output_len, args.concurrency))
+        figures["front_cpu_seconds"] = cpu_seconds(proc.pid) - cpu_before
         figures |= replica_figures(replicas, figures["prompt_tokens"], figures["seconds"])
         if front != "sglang-router":
             figures["choices"] = front_choices(url)
@@ -299,7 +308,8 @@ def print_figures(label: str, name: str, figures: dict[str, Any]) -> None:
           f"{figures['ttft_p50_ms']:7.0f} ms, p90 {figures['ttft_p90_ms']:7.0f} ms, prefix hits "
           f"{100 * figures['prefix_hit_rate']:4.1f}% of prompt tokens (blocks reused per replica "
           f"{[int(h) for h in figures['prefix_hits']]}), replicas busy "
-          f"{[round(b, 2) for b in figures['replica_busy']]}, errors {figures['errors']}"
+          f"{[round(b, 2) for b in figures['replica_busy']]}, front CPU {figures['front_cpu_seconds']:.1f} s, "
+          f"errors {figures['errors']}"
           f"{', choices ' + str(figures['choices']) if 'choices' in figures else ''}", flush=True)
 
 

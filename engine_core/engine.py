@@ -104,7 +104,8 @@ class LLMEngine:
         with progress.step(f"loading weights from {self.model_dir}") as details:
             self.model = LlamaModel(self.model_args, load_state_dict(self.model_dir), dtype, self.max_model_len,
                                     select_attention(config, self.device), device=self.device)
-            details.append(f"attention {self.model.attention.name}, layer ops {type(self.model.ops).__name__}")
+            details.append(f"attention {self.model.attention.name}, layer ops {type(self.model.ops).__name__}, "
+                           f"linear layers {self.model.lm_head.path}")
         with progress.step("allocating the KV cache") as details:
             block_bytes = self.model.kv_block_bytes(config.block_size)
             num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)

@@ -85,7 +85,8 @@ def test_check_config_describes_each_pool_and_its_balancing(tmp_path: Path) -> N
     lines = {line.split(":", 1)[0].strip(): line.split(":", 1)[1] for line in out.stdout.splitlines()
              if line.strip().startswith("backend ")}
     assert "a pool of 2 replicas (http://vllm-0:8000, http://vllm-1:8000); balance prefix (the replica holding " \
-           ">= 0.3 of the prompt's blocks, unless loads differ by > 8 requests and > 1.5x); /metrics scraped " \
+           ">= 0.3 of the prompt's blocks, unless loads differ by > 8 requests and > 1.5x while the busiest has " \
+           "requests waiting); /metrics scraped " \
            "every 1 s" in lines["backend fixed (type openai)"]
     assert "every address of http://tgi-headless:80's host, resolved every 10 s; balance least_load; no scraping" \
         in lines["backend dns (type tgi)"]

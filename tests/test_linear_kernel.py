@@ -83,10 +83,8 @@ def test_an_amx_cpu_runs_the_engine_matmuls_on_onednn(smollm_dir: Path, kernels)
 
     engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", num_blocks=16, max_num_seqs=2))
     layers = [engine.model.lm_head, engine.model.layers[0].qkv, engine.model.layers[-1].down]
-    if cpu_features().amx_bf16:
-        assert all(layer.blocks is None and layer.packed is not None for layer in layers)
-    else:
-        assert all(layer.blocks is not None and layer.packed is None for layer in layers)
+    expected = "oneDNN packed" if cpu_features().amx_bf16 else "linear_bf16"
+    assert [layer.path for layer in layers] == [expected] * 3
 
 
 def test_the_bf16_engine_forward_with_the_kernel_matches_onednn(smollm_dir: Path, kernels,  # type: ignore[no-untyped-def]

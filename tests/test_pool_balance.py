@@ -151,6 +151,22 @@ def test_imbalanced_load_overrides_prefix_affinity() -> None:
     assert policy.choose(pool, hashes(prompt(1, 3))).reason == "prefix_hit"
 
 
+def test_a_replica_reporting_no_waiting_requests_keeps_its_prefix_hits_however_many_run() -> None:
+    """Running requests share the replica's batch; only a queue there makes a cold prefill elsewhere worth it."""
+    pool = replicas(2)
+    policy = PrefixAware(PoolFields(balance_abs_threshold=8, balance_rel_threshold=1.5))
+    home = policy.choose(pool, hashes(prompt(1, 0))).replica
+    other = pool[1] if home is pool[0] else pool[0]
+    home.in_flight = 12
+    home.signals = ReplicaSignals(waiting=0, running=12, at=time.monotonic())
+    assert policy.choose(pool, hashes(prompt(1, 1))).reason == "prefix_hit"
+    home.signals = ReplicaSignals(waiting=2, running=12, at=time.monotonic())  # now it queues
+    choice = policy.choose(pool, hashes(prompt(1, 2)))
+    assert (choice.replica, choice.reason) == (other, "imbalanced")
+    home.signals = ReplicaSignals(waiting=0, running=12, at=time.monotonic() - 10)  # stale: the counts decide
+    assert policy.choose(pool, hashes(prompt(1, 3))).reason == "imbalanced"
+
+
 def test_a_short_match_is_cold_and_goes_to_the_replica_holding_fewer_blocks() -> None:
     pool = replicas(2)
     policy = PrefixAware(PoolFields(cache_threshold=0.5))

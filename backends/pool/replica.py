@@ -41,6 +41,13 @@ class Replica:
             reported = (self.signals.waiting or 0.0) + (self.signals.running or 0.0)
         return max(float(self.in_flight), reported)
 
+    def queueing(self, stale_after: float, now: float | None = None) -> bool:
+        """Whether requests wait on the replica for a place in its batch: what it reported, when fresh;
+        without such a report the gateway cannot tell waiting from running, so yes."""
+        if self.signals.fresh(stale_after, now) and self.signals.waiting is not None:
+            return self.signals.waiting > 0
+        return True
+
     def kv_usage(self, stale_after: float, now: float | None = None) -> float:
         fresh = self.signals.fresh(stale_after, now) and self.signals.kv_usage is not None
         return float(self.signals.kv_usage or 0.0) if fresh else 0.0

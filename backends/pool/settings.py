@@ -71,7 +71,8 @@ class PoolFields(msgspec.Struct, frozen=True, kw_only=True):
         rule = self.balance
         if self.balance == "prefix":
             rule += (f" (the replica holding >= {self.cache_threshold:g} of the prompt's blocks, unless loads differ "
-                     f"by > {self.balance_abs_threshold:g} requests and > {self.balance_rel_threshold:g}x)")
+                     f"by > {self.balance_abs_threshold:g} requests and > {self.balance_rel_threshold:g}x "
+                     "while the busiest has requests waiting)")
         scrape = (f"{self.scrape_path} scraped every {self.scrape_interval:g} s" if self.scrape_interval
                   else "no scraping (this gateway's own counts only)")
         return (f"{replicas}; balance {rule}; {scrape}; a replica is ejected after {self.eject_after_failures} "

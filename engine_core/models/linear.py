@@ -65,6 +65,11 @@ class Linear:
                 return
         self.weight = None  # the packed copy replaces it
 
+    @property
+    def path(self) -> str:
+        """Which matmul runs, for the start log."""
+        return "linear_bf16" if self.blocks is not None else "oneDNN packed" if self.packed is not None else "torch"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
             rows = x.reshape(-1, x.shape[-1])
