@@ -103,6 +103,23 @@ def trtllm_routes() -> dict:
     }
 
 
+def vllm_held_back_routes() -> dict:
+    """vLLM holds text back while it may still end in a stop string or a split multi-byte character, then sends
+    it in one chunk: three tokens in two chunks, and the usage chunk counts three."""
+    def chunks(kind: str) -> list[dict]:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def choice(text: str, finish: str | None) -> dict:
+            body = {"delta": {"content": text}} if kind == "chat" else {"text": text}
+            return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
+
+        base = {"id": "cmpl-1", "object": obj, "created": 1, "model": "llama"}
+        return [{**base, "choices": [choice("Hello world", None)]}, {**base, "choices": [choice("!", "length")]},
+                {**base, "choices": [], "usage": {"prompt_tokens": 4, "total_tokens": 7, "completion_tokens": 3}}]
+
+    return both_openai_routes(lambda kind: Reply([sse(*chunks(kind), b"[DONE]")]))
+
+
 def both_openai_routes(reply) -> dict:  # noqa: ANN001
     return {("POST", "/v1/chat/completions"): reply("chat"), ("POST", "/v1/completions"): reply("completions")}
 

@@ -12,14 +12,23 @@ import httpx
 import pytest
 
 from engine_core import LLMEngine, SamplingParams
-from tests.recordings import FAILURES, TEXT, tgi_routes, triton_ensemble_routes, triton_llmapi_routes, trtllm_routes
+from tests.recordings import (
+    FAILURES,
+    TEXT,
+    tgi_routes,
+    triton_ensemble_routes,
+    triton_llmapi_routes,
+    trtllm_routes,
+    vllm_held_back_routes,
+)
 from tests.server import CLIENT_TIMEOUT, START_TIMEOUT, WAIT, running_gateway, wait_until
 from tests.upstream import Recorded, ScriptedUpstream, scripted_upstream
 
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\\n{% endfor %}assistant:"
 REMOTE = {"tgi": ("tgi", tgi_routes, ""), "triton": ("triton", triton_ensemble_routes, 'dialect = "ensemble"\n'),
           "llmapi": ("triton", triton_llmapi_routes, 'model = "tensorrt_llm"\ndialect = "llmapi"\n'),
-          "trtllm": ("openai", trtllm_routes, 'model = "llama"\nflavor = "trtllm"\napi_key_env = "TRT_KEY"\n')}
+          "trtllm": ("openai", trtllm_routes, 'model = "llama"\nflavor = "trtllm"\napi_key_env = "TRT_KEY"\n'),
+          "vllm": ("openai", vllm_held_back_routes, 'model = "llama"\n')}
 FAILURE_TYPES = {"tgi": "tgi", "triton": "triton", "trtllm": "openai", "vllm": "openai", "hang": "openai",
                  "slow": "openai"}
 
@@ -180,6 +189,18 @@ def test_usage_and_finish_come_from_the_upstream(remote: tuple[str, dict]) -> No
     llm = httpx.post(f"{url}/models/m-llmapi/generate", json={"inputs": "Hi", "parameters": {"details": True}},
                      timeout=CLIENT_TIMEOUT).json()
     assert llm["details"]["finish_reason"] == "length"  # the LLM-API model reports it
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_streamed_usage_is_the_upstreams_count_not_the_number_of_chunks(remote: tuple[str, dict], path: str) -> None:
+    """vLLM sends text it held back (a possible stop string, a split multi-byte character) as one chunk of
+    several tokens: the usage chunk passes on the upstream's count."""
+    url, _ = remote
+    body = {"model": "m-vllm", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 3}
+    body |= {"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": "Hi"}
+    raw = httpx.post(f"{url}{path}", json=body, timeout=CLIENT_TIMEOUT).text
+    chunks = [json.loads(p[6:]) for p in raw.split("\n\n") if p.startswith("data: ") and p != "data: [DONE]"]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
 
 
 def test_api_key_comes_from_the_environment_and_the_clients_own_is_not_forwarded(remote: tuple[str, dict]) -> None:

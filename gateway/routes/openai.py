@@ -334,12 +334,15 @@ async def _sse(admission: Admission, served: list[Served], render: Callable[[int
                preamble: list[bytes] | None = None) -> AsyncIterator[bytes]:
     """The OpenAI event stream: rendered chunks, the usage chunk if asked, errors as events, then [DONE]."""
     prompt_tokens, completion_tokens = 0, 0
+    events_seen = [0] * len(served)  # a choice's tokens where its backend reports no usage
     try:
         yield b""
         for event in preamble or []:
             yield event
         async for index, e in merge([s.events for s in served]):
-            completion_tokens += 1
+            events_seen[index] += 1
+            if e.finished:  # an upstream's event may carry several tokens: its usage counts them
+                completion_tokens += e.usage.completion_tokens if e.usage else events_seen[index]
             if e.usage and index % choices_per_prompt == 0:  # n choices of one prompt share its tokens
                 prompt_tokens += e.usage.prompt_tokens
             rendered = render(index, e)

@@ -85,7 +85,7 @@ async def _generate(gw: Gateway, route: ModelRoute, v: ValidTgiRequest) -> tuple
         if others:
             response.details.best_of_sequences = [
                 BestOfSequence(generated_text=_generated_text(v, o), finish_reason=str(o.last.finish_reason),
-                               generated_tokens=len(o.events), seed=o.last.seed,
+                               generated_tokens=o.usage.completion_tokens, seed=o.last.seed,
                                prefill=_details(v, o).prefill, tokens=[_token(e) for e in o.events])
                 for o in others]
     return response, result
