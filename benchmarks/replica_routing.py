@@ -19,6 +19,7 @@ round's figure, since one run's ratio moves by several percent on a shared machi
     .venv-router/bin/pip install sglang-router==0.3.2                     # once, in its own venv
     .venv/bin/python benchmarks/replica_routing.py --out-dir bench-results/routing
     .venv/bin/python benchmarks/replica_routing.py --fronts prefix round_robin --workloads shared_prefix --rounds 3
+    .venv/bin/python benchmarks/replica_routing.py --prefix-words 2000 --rounds 2   # SGLang's default prefix length
     .venv/bin/python benchmarks/replica_routing.py --groups 4 --per-group 4 --prefix-words 200   # quick
 """
 

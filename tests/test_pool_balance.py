@@ -197,6 +197,20 @@ def test_new_prefix_groups_split_evenly_even_when_the_emptier_replica_is_busier_
     assert policy.choose(pool, hashes(prompt(9, 0))).replica is idle  # equal blocks held: load decides
 
 
+def test_unrelated_prompts_alternate_even_when_their_lengths_differ_by_a_block() -> None:
+    """Blocks held differ by a block or two between replicas after unrelated prompts of near-equal length:
+    that is level, and the next cold prompt goes by load, then in turn, not twice in a row to one replica."""
+    pool = replicas(2)
+    policy = PrefixAware(PoolFields())
+    picks = []
+    for i in range(12):
+        prompt_text = f"{i:04d}" * (16 * 20 + 16 * (i % 3))  # 20 to 22 blocks of 64 characters, nothing shared
+        choice = policy.choose(pool, hashes(prompt_text))
+        assert choice.reason == "cold"
+        picks.append(choice.replica.id)
+    assert all(a != b for a, b in zip(picks, picks[1:])), picks
+
+
 def test_make_policy_follows_the_setting() -> None:
     assert isinstance(make_policy(PoolFields(balance="round_robin")), RoundRobin)
     assert isinstance(make_policy(PoolFields(balance="least_load")), LeastLoad)
