@@ -32,12 +32,12 @@ RUN case "${VARIANT}" in \
       *) echo "VARIANT is cpu or cuda, not '${VARIANT}'" >&2; exit 1 ;; \
     esac \
  && pip install --index-url "${TORCH_INDEX:-$index}" torch==2.13.0
-# the engine's CPU kernels, one module per ISA level, each named as cpu_kernels.module_name(march) and
+# the engine's CPU kernels, one module per ISA level, each named as engine_core.cpu.kernels.module_name(march) and
 # installed in site-packages: a CPU imports the build of its own level instead of compiling at start.
 # Only the kernel sources go in here, so that this layer is rebuilt only when they change.
 WORKDIR /src
-COPY engine_core/csrc ./engine_core/csrc
-COPY engine_core/cpu_kernels.py engine_core/cpu_features.py ./engine_core/
+COPY engine_core/cpu/csrc ./engine_core/cpu/csrc
+COPY engine_core/cpu/__init__.py engine_core/cpu/kernels.py engine_core/cpu/features.py ./engine_core/cpu/
 COPY deploy/prebuild_cpu_kernels.py ./deploy/
 ARG KERNEL_ISAS="avx2 avx512 avx512_bf16"
 RUN python deploy/prebuild_cpu_kernels.py ${KERNEL_ISAS}
@@ -69,7 +69,7 @@ COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=10001:10001 /opt/models /opt/models
 COPY deploy/config.toml /etc/llm-gateway/config.toml
 # every writable path lives under /tmp, so the root filesystem can be mounted read-only. No
-# LLMGW_KERNEL_MARCH: each CPU takes the prebuilt kernels of its own ISA level (cpu_kernels.target_march())
+# LLMGW_KERNEL_MARCH: each CPU takes the prebuilt kernels of its own ISA level (engine_core.cpu.kernels.target_march())
 ENV PATH=/opt/venv/bin:$PATH LLMGW_MODEL_CACHE=/opt/models HOME=/tmp HF_HOME=/tmp/hf \
     TRITON_CACHE_DIR=/tmp/triton PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 USER 10001:10001

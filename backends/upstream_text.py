@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_core.stop_strings import StopStringBuffer
+from engine_core.text.stop_strings import StopStringBuffer
 
 
 class UpstreamText:

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_core.attention import AttentionBackend, AttentionMetadata, TorchReferenceAttention  # noqa: E402
 from engine_core.attention.cpu_paged import CpuPagedAttention  # noqa: E402
-from engine_core.cpu_features import cpu_features  # noqa: E402
-from engine_core.cpu_kernels import build_for_isa  # noqa: E402
+from engine_core.cpu.features import cpu_features  # noqa: E402
+from engine_core.cpu.kernels import build_for_isa  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention
 

@@ -25,7 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine_core.cpu_features import cpu_features  # noqa: E402
+from engine_core.cpu.features import cpu_features  # noqa: E402
 from engine_core.loader import resolve_model_dir  # noqa: E402
 
 GATEWAY_CONFIG = """

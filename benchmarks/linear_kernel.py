@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine_vs_vllm import describe_cpu  # noqa: E402
-from engine_core.cpu_kernels import cpu_kernels  # noqa: E402
+from engine_core.cpu.kernels import cpu_kernels  # noqa: E402
 from engine_core.models.linear import Linear  # noqa: E402
 
 # (out features, in features): how many of each one step runs

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_throughput import random_prompts  # noqa: E402
 from engine_core import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine_core.cpu_features import cpu_features  # noqa: E402
+from engine_core.cpu.features import cpu_features  # noqa: E402
 from engine_core.loader import resolve_model_dir  # noqa: E402
 from engine_core.models.layer_ops import TorchLayerOps  # noqa: E402
 

@@ -1,12 +1,12 @@
 """Build the engine's CPU kernels ahead of time for the ISA levels an image serves, and install each
-as an importable module (`cpu_kernels.module_name(march)`) in site-packages, where the engine imports
+as an importable module (`engine_core.cpu.kernels.module_name(march)`) in site-packages, where the engine imports
 it instead of compiling at start; each CPU then takes the build of its own level (`target_march()`).
 
     python deploy/prebuild_cpu_kernels.py avx2 avx512 avx512_bf16
 
 Compiling for an ISA does not need the CPU to have it, running the result does: every level is built,
 and only those this machine can run are import-checked (the others are loaded where they run; a CPU
-that lacks a prebuilt module's ISA skips it). The flags are the engine's own (cpu_kernels.CFLAGS and
+that lacks a prebuilt module's ISA skips it). The flags are the engine's own (engine_core.cpu.kernels.CFLAGS and
 the level's named -march), built as torch's `cpp_extension.load()` builds them, less its import.
 """
 
@@ -23,15 +23,15 @@ import types
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "engine_core"
-# engine_core.cpu_kernels and .cpu_features alone, not the package's __init__ (which needs every dependency
+# engine_core.cpu.kernels and .features alone, not the package's __init__ (which needs every dependency
 # of the project): the image builds the kernels from their sources before it installs the project
 if "engine_core" not in sys.modules:
     _package = types.ModuleType("engine_core")
     _package.__path__ = [str(PACKAGE)]
     sys.modules["engine_core"] = _package
-cpu_kernels = importlib.import_module("engine_core.cpu_kernels")
-ISA_LEVELS = importlib.import_module("engine_core.cpu_features").ISA_LEVELS
-cpu_features = importlib.import_module("engine_core.cpu_features").cpu_features
+cpu_kernels = importlib.import_module("engine_core.cpu.kernels")
+ISA_LEVELS = importlib.import_module("engine_core.cpu.features").ISA_LEVELS
+cpu_features = importlib.import_module("engine_core.cpu.features").cpu_features
 
 
 def build(isa: str, dest: Path) -> Path:

@@ -5,7 +5,7 @@ from engine_core.config import EngineConfig
 from engine_core.engine import LLMEngine, RequestError
 from engine_core.loader import ModelLoadError
 from engine_core.outputs import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestOutput
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling.params import SamplingParams
 from engine_core.sequence import TokenLogprob
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any
 
 from engine_core.engine import LLMEngine, RequestError
 from engine_core.outputs import RequestOutput
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling.params import SamplingParams
 
 SWITCH_INTERVAL = 0.0002  # seconds
 

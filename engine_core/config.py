@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_core.cpu_features import cpu_features
+from engine_core.cpu.features import cpu_features
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}

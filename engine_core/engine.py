@@ -15,10 +15,9 @@ from engine_core.attention import AttentionBackend, TorchReferenceAttention
 from engine_core.attention.cpu_paged import CpuPagedAttention, paged_decode_kernel
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
-from engine_core.cpu_features import cpu_features
-from engine_core.cpu_kernels import cpu_kernels, kernel_build
+from engine_core.cpu.features import cpu_features
+from engine_core.cpu.kernels import cpu_kernels, kernel_build
 from engine_core.cuda_graphs import DecodeGraphs
-from engine_core.detokenizer import IncrementalDetokenizer
 from engine_core.loader import (
     EMBEDDED,
     EMBEDDED_NAME,
@@ -33,13 +32,14 @@ from engine_core.lora import LoraAdapter, LoraError, LoraInUseError, LoraRegistr
 from engine_core.model_runner import ModelRunner
 from engine_core.models.llama import LlamaModel
 from engine_core.outputs import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestOutput
-from engine_core.sampler import Sampler
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling.params import SamplingParams
+from engine_core.sampling.sampler import Sampler
 from engine_core.scheduler import ScheduledBatch, Scheduler
 from engine_core.sequence import Sequence
 from engine_core.startup import StartupProgress
 from engine_core.structured.compiler import GrammarCompiler, GrammarError
 from engine_core.structured.matcher import GrammarState
+from engine_core.text.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("llmgw.engine")
 

@@ -10,7 +10,7 @@ from engine_core.attention import AttentionMetadata
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.lora import LoraBatch, LoraRegistry
 from engine_core.models.llama import LlamaModel
-from engine_core.sampler import Sampler, SampleResult, prompt_logprobs
+from engine_core.sampling.sampler import Sampler, SampleResult, prompt_logprobs
 from engine_core.scheduler import ScheduledBatch
 from engine_core.sequence import Sequence, TokenLogprob
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_core.lora.adapter import LoraAdapter

@@ -7,7 +7,7 @@ from types import ModuleType
 
 import pytest
 
-from engine_core.cpu_kernels import build_for_isa
+from engine_core.cpu.kernels import build_for_isa
 
 ISAS = ["avx512_bf16", "avx2"]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine_core.block_manager import BlockManager
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling.params import SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.sequence import Sequence
 

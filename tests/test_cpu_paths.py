@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.cpu_features import ISA_ENV, cpu_features
+from engine_core.cpu.features import ISA_ENV, cpu_features
 from tests.server import ROOT
 
 

@@ -118,6 +118,6 @@ def test_the_installed_package_carries_the_kernel_sources(tmp_path) -> None:  # 
                     "-w", str(tmp_path / "dist")], check=True, cwd=src)
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {f"engine_core/csrc/{p.name}" for p in (ROOT / "engine_core" / "csrc").iterdir()}
+    sources = {f"engine_core/cpu/csrc/{p.name}" for p in (ROOT / "engine_core" / "cpu" / "csrc").iterdir()}
     assert sources and {s for s in sources if s.endswith((".cpp", ".h"))} == sources
     assert sources <= names, sources - names

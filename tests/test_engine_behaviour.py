@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_core import EngineConfig, LLMEngine, RequestError, SamplingParams
-from engine_core.detokenizer import IncrementalDetokenizer
+from engine_core.text.detokenizer import IncrementalDetokenizer
 from tests.engine_helpers import all_blocks_free_after_each_test, chat, random_prompts, run_staggered  # noqa: F401
 
 

@@ -235,8 +235,8 @@ def test_the_compiled_kernels_come_from_the_image(container: Container) -> None:
     assert "compiling for this CPU" not in logs and "CPU kernels unavailable" not in logs
     check = r"""
 import json
-from engine_core import cpu_kernels as k
-from engine_core.cpu_features import cpu_features
+from engine_core.cpu import kernels as k
+from engine_core.cpu.features import cpu_features
 b = k.kernel_build()
 print(json.dumps({"isa": cpu_features().isa, "target": k.target_march(), "source": b and b.source,
                   "march": b and b.march, "compiled_for": b and b.isa, "file": b and b.module.__file__}))
@@ -252,7 +252,7 @@ print(json.dumps({"isa": cpu_features().isa, "target": k.target_march(), "source
         assert got["source"] == "prebuilt" and got["compiled_for"] == isa, got
     names = container.python(r"""
 import glob, json, os, sys
-from engine_core import cpu_kernels as k
+from engine_core.cpu import kernels as k
 print(json.dumps({"have": sorted(os.path.basename(p).split(".")[0] for p in
                                  glob.glob("/opt/venv/lib/python3.11/site-packages/llmgw_cpu_kernels_*.so")),
                   "want": sorted(k.module_name(k.MARCH_FOR_ISA[i]) for i in sys.argv[1:])}))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.cpu_kernels import cpu_kernels
+from engine_core.cpu.kernels import cpu_kernels
 from engine_core.models.layer_ops import FusedLayerOps, TorchLayerOps
 from engine_core.models.rope import RotaryEmbedding
 

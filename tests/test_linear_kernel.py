@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_core.cpu_features import CpuFeatures, cpu_features
+from engine_core.cpu.features import CpuFeatures, cpu_features
 from engine_core.models.linear import Linear, pack_blocks
 from tests.kernel_helpers import kernels_for
 

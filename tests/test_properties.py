@@ -7,8 +7,8 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_core.sampling_params import SamplingParams
-from engine_core.stop_strings import StopStringBuffer
+from engine_core.sampling.params import SamplingParams
+from engine_core.text.stop_strings import StopStringBuffer
 
 ALPHABET = st.sampled_from("ab c\né")  # few letters: stop strings occur often
 pieces = st.lists(st.text(ALPHABET, max_size=4), max_size=30)

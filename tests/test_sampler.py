@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine_core.sampler import Sampler, apply_penalties, processed_logits
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling.params import SamplingParams
+from engine_core.sampling.sampler import Sampler, apply_penalties, processed_logits
 from engine_core.sequence import Sequence
 
 

@@ -4,7 +4,7 @@ call per layer for every row of the step, prefill or decode.
 The torch reference gathers every decoding sequence's blocks into a padded [B, Hkv, L, D] copy, then
 transposes (another copy) for its matmuls: at batch 128 that was about 60% of a decode step (profile
 in BENCHMARKS.md), and it runs each prefill chunk as its own SDPA call. The compiled kernel
-(`engine_core/csrc/paged_decode.cpp`, built by `engine_core.cpu_kernels`) walks a block table in place,
+(`engine_core/cpu/csrc/paged_decode.cpp`, built by `engine_core.cpu.kernels`) walks a block table in place,
 scores and softmax in fp32, one query per row. A prefill token is such a row too: once this step's keys
 and values are in the cache, causal attention for the token at position p is attention over the first
 p + 1 slots of its sequence's blocks. So the plan gives every row its sequence's block table and its own
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_core.attention.metadata import AttentionMetadata
-from engine_core.cpu_kernels import cpu_kernels
+from engine_core.cpu.kernels import cpu_kernels
 
 
 def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:

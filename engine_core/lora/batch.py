@@ -1,7 +1,7 @@
 """The LoRA delta for one step whose rows use different adapters (or none).
 
 Three ways, by step size, all exact:
-- **The compiled kernel** (`engine_core/csrc/lora_delta.cpp`, CPU, fp32 or bf16) for decode-sized steps:
+- **The compiled kernel** (`engine_core/cpu/csrc/lora_delta.cpp`, CPU, fp32 or bf16) for decode-sized steps:
   one call per projection, each row reading only its own adapter's A and B (punica's BGMV). The torch
   ways below cost 3-4 small oneDNN calls per projection, ~30 µs of fixed cost each, and the mask's flops.
 - **The mask** where the kernel is not available: the step's adapters concatenated along the rank, one

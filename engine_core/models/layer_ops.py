@@ -1,6 +1,6 @@
 """The per-layer glue of the forward, RMSNorm with the residual add and rotary embeddings, in two
 interchangeable forms: torch ops (any dtype, any CPU) and the compiled fused ops
-(`engine_core/csrc/layer_ops.cpp` for bf16 on AVX-512 BF16, `layer_ops_f32.cpp` for fp32 on any CPU),
+(`engine_core/cpu/csrc/layer_ops.cpp` for bf16 on AVX-512 BF16, `layer_ops_f32.cpp` for fp32 on any CPU),
 which do in one call each what takes torch a dozen dispatches: at batch 1 those dispatches cost more
 than the math.
 """

@@ -1,7 +1,7 @@
 """Linear layers with the weight packed once at load time, for the fastest CPU matmul this machine has.
 
 - bf16 on a CPU with AVX-512 BF16 (but no AMX) and the compiled kernels: the engine's own `linear_bf16`
-  (`engine_core/csrc/linear_bf16.cpp`) over a weight packed in blocks of 16 output columns x 2 inputs.
+  (`engine_core/cpu/csrc/linear_bf16.cpp`) over a weight packed in blocks of 16 output columns x 2 inputs.
   A decode step streams the weights at about memory bandwidth: a step's matmuls take 0.6x oneDNN's
   time (on its prepacked weight) at 1-2 rows, 0.8x at 4-16 on two threads, and level at prefill sizes
   (`benchmarks/linear_kernel.py`). The packed copy replaces the plain weight: memory stays the same.
@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from engine_core.cpu_features import cpu_features
+from engine_core.cpu.features import cpu_features
 
 BLOCK = 16  # output columns per packed block: one AVX-512 vector of fp32 accumulators
 

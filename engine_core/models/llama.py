@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.attention import AttentionBackend, AttentionMetadata, TorchReferenceAttention
-from engine_core.cpu_kernels import cpu_kernels
+from engine_core.cpu.kernels import cpu_kernels
 from engine_core.loader import ModelArgs, ModelLoadError
 from engine_core.lora.batch import LoraBatch
 from engine_core.models.layer_ops import FusedLayerOps, TorchLayerOps

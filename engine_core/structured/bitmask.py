@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.cpu_kernels import cpu_kernels
+from engine_core.cpu.kernels import cpu_kernels
 
 if TYPE_CHECKING:
     from engine_core.sequence import Sequence

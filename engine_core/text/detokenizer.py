@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_core.stop_strings import StopStringBuffer
+from engine_core.text.stop_strings import StopStringBuffer
 
 PROMPT_CONTEXT_TOKENS = 5  # some prompt tokens give the first output token its leading-space context
 

@@ -1,4 +1,4 @@
-"""The engine's compiled CPU kernels (`engine_core/csrc/`), built once per machine.
+"""The engine's compiled CPU kernels (`engine_core/cpu/csrc/`), built once per machine.
 
 One extension module holds the paged decode attention, the grammar bitmask, the LoRA delta and the fused layer ops
 (RMSNorm with the residual add, rotary embeddings, silu * up: in fp32 for every CPU, in bf16 only where
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from engine_core.cpu_features import ISA_LEVELS, cpu_features
+from engine_core.cpu.features import ISA_LEVELS, cpu_features
 
 log = logging.getLogger("llmgw.engine")
 CSRC = Path(__file__).with_name("csrc")
