@@ -144,6 +144,11 @@ class TokenEvent(msgspec.Struct, kw_only=True):
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def usage_or_count(self, events: int) -> Usage:
+        """A final event's usage: the backend's own count (an upstream event may carry several tokens), or from
+        a backend that reports none, one token for each of the `events` its stream sent."""
+        return self.usage or Usage(0, events)
+
 
 class TokenSpan(msgspec.Struct, frozen=True):
     id: int

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import statistics
 import subprocess
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -209,8 +209,8 @@ def start_replicas(stack: ExitStack, out: Path, kv_mb: int, tag: str) -> list[st
 
 def cpu_seconds(pid: int) -> float:
     """A process's user + system CPU time so far (the front shares the machine's cores with the replicas)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def start_front(stack: ExitStack, out: Path, front: str, replicas: list[str],

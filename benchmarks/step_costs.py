@@ -16,7 +16,9 @@ import random
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -39,16 +41,11 @@ def drain(engine: LLMEngine) -> None:
 
 
 def measure(linear: str, prefix_len: int, question_len: int, repeats: int) -> dict[str, float]:
-    import engine_core.models.llama as llama
-
-    choose = llama.linear_kernels
-    if linear == "kernel":  # the compiled kernel even where the engine would take oneDNN
-        llama.linear_kernels = lambda kernels: kernels  # type: ignore[assignment]
-    try:
+    # --linear kernel: the compiled kernel even where the engine would take oneDNN
+    forced = patch("engine_core.models.llama.linear_kernels", lambda k: k) if linear == "kernel" else nullcontext()
+    with forced:
         engine = LLMEngine(EngineConfig(model=str(resolve_model_dir("embedded")), dtype="bfloat16", num_blocks=512,
                                         max_num_seqs=16, enable_prefix_caching=True, num_threads=1))
-    finally:
-        llama.linear_kernels = choose
     rng = random.Random(0)
 
     def tokens(n: int) -> list[int]:

@@ -166,8 +166,9 @@ async def _observe(gw: Gateway, rec: RequestRecord | None, principal: Principal 
                     rec.output_text += event.text
                 if event.finished:
                     rec.finish_reason = str(event.finish_reason)
-                    rec.generated_tokens += event.usage.completion_tokens if event.usage else count
-                    rec.prompt_tokens = max(rec.prompt_tokens, event.usage.prompt_tokens if event.usage else 0)
+                    final = event.usage_or_count(count)
+                    rec.generated_tokens += final.completion_tokens
+                    rec.prompt_tokens = max(rec.prompt_tokens, final.prompt_tokens)
             yield event
     except GatewayError as exc:
         error = exc.kind
@@ -245,7 +246,7 @@ class Collected:
 
     @property
     def usage(self) -> Usage:
-        return self.last.usage or Usage(0, len(self.events))
+        return self.last.usage_or_count(len(self.events))
 
     @property
     def prompt_tokens(self) -> list[TokenLogprob] | None:

@@ -341,8 +341,8 @@ async def _sse(admission: Admission, served: list[Served], render: Callable[[int
             yield event
         async for index, e in merge([s.events for s in served]):
             events_seen[index] += 1
-            if e.finished:  # an upstream's event may carry several tokens: its usage counts them
-                completion_tokens += e.usage.completion_tokens if e.usage else events_seen[index]
+            if e.finished:
+                completion_tokens += e.usage_or_count(events_seen[index]).completion_tokens
             if e.usage and index % choices_per_prompt == 0:  # n choices of one prompt share its tokens
                 prompt_tokens += e.usage.prompt_tokens
             rendered = render(index, e)
