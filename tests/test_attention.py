@@ -79,7 +79,7 @@ def test_grouped_decode_equals_sdpa_with_gqa_and_mask() -> None:
     assert torch.allclose(_grouped_decode(q, k, v, mask, 0.125), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128 take the vectorised paths, 16 the generic one
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])  # 64, 128, 256 take the vectorised paths, 16 the generic
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [3, 4, 5])  # bf16 has kernels for groups 1-4 and 8; 5 takes the fallback
 @pytest.mark.parametrize("isa", ISAS)

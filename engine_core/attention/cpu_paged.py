@@ -8,7 +8,9 @@ in BENCHMARKS.md), and it runs each prefill chunk as its own SDPA call. The comp
 scores and softmax in fp32, one query per row. A prefill token is such a row too: once this step's keys
 and values are in the cache, causal attention for the token at position p is attention over the first
 p + 1 slots of its sequence's blocks. So the plan gives every row its sequence's block table and its own
-key count, and mixed batches, chunks over a cached prefix and decodes all go through the one call.
+key count, and mixed batches, chunks over a cached prefix and decodes all go through the one call. The
+layer's sliding window W and soft-cap go to the kernel as they are: a row then reads only its last W keys,
+from max(0, key_count - W), so the plan stays the same for every layer of the step.
 """
 
 from __future__ import annotations
@@ -55,12 +57,14 @@ class CpuPagedAttention:
         return RowPlan(meta, table[seq_of_row], cached[seq_of_row] + offset + 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, plan: RowPlan | AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]."""
+                v_cache: torch.Tensor, plan: RowPlan | AttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]. window, softcap: see
+        AttentionBackend."""
         if isinstance(plan, AttentionMetadata):
             plan = self.plan(plan, k_cache.shape[1])
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         slots = plan.meta.slot_mapping  # this step's keys and values first: its prefill rows read them
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
-        return self.kernel(q, k_cache, v_cache, plan.blocks, plan.key_counts, scale)
+        return self.kernel(q, k_cache, v_cache, plan.blocks, plan.key_counts, scale, window, softcap)

@@ -33,11 +33,18 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     """What the model calls in each layer. `plan` runs once per step (whatever depends only on the step's
-    layout); `forward` writes the step's keys and values into the cache and returns [T, Hq, D]."""
+    layout, the same for every layer); `forward` writes the step's keys and values into the cache and returns
+    [T, Hq, D].
+
+    Per layer (Gemma 3 mixes sliding and global layers in one step): `window` W > 0 lets the query at
+    position p see only keys at p - W < k <= p, W keys its own included (transformers' sliding_window,
+    FlashAttention's window (W - 1, 0)); `softcap` C > 0 replaces each score s = q·k * scale by
+    C * tanh(s / C) before the mask and the softmax (Gemma 2's attn_logit_softcapping). 0 means none."""
 
     name: str
 
     def plan(self, meta: AttentionMetadata, block_size: int) -> Any: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, plan: Any, scale: float) -> torch.Tensor: ...
+                v_cache: torch.Tensor, plan: Any, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor: ...

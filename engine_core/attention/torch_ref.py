@@ -3,12 +3,15 @@
 Decoding sequences (one query each) are batched into one attention call over their gathered
 blocks; sequences with several queries (prefill chunks) are handled one by one with a causal mask
 offset by the tokens already in the cache. Everything that depends only on the step's layout (which
-rows decode, the padded block table, the mask) is worked out once per step in `plan`, not per layer.
+rows decode, the padded block table, the mask) is worked out once per step in `plan`, not per layer. A
+sliding window narrows those masks; as layers of one step may differ in window (Gemma 3), each window's
+mask is built by the first layer that asks for it and kept in the plan for the others. Soft-capped scores
+(Gemma 2) take an explicit grouped matmul path, as SDPA has no cap.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +23,16 @@ from engine_core.attention.metadata import AttentionMetadata
 class DecodePlan:
     rows: torch.Tensor | None  # query rows of the decoding sequences; None: every row decodes, in order
     blocks: torch.Tensor  # [B, num_blocks] int64 block ids, padded with block 0
-    mask: torch.Tensor  # [B, L] True where a key position is within the sequence
     seq_lens: torch.Tensor  # [B] keys of each decoding sequence
     num_blocks: int
+    masks: dict[int, torch.Tensor]  # by window (0: none), [B, L]: True where a key position is visible
+
+    def mask(self, window: int) -> torch.Tensor:
+        """Keys within the sequence and, with a window, among its last `window`."""
+        if window not in self.masks:
+            positions = torch.arange(self.masks[0].shape[1], device=self.seq_lens.device)
+            self.masks[window] = self.masks[0] & (positions >= (self.seq_lens - window).unsqueeze(1))
+        return self.masks[window]
 
 
 @dataclass(slots=True)
@@ -31,7 +41,19 @@ class PrefillPlan:
     num_queries: int
     seq_len: int
     blocks: torch.Tensor | None  # int64 ids of the blocks holding cached keys; None: nothing cached before
-    mask: torch.Tensor | None  # [n, seq_len] causal mask offset by the cached tokens
+    device: torch.device
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window (0: none), [n, seq_len]
+
+    def mask(self, window: int) -> torch.Tensor:
+        """True where a query sees a key: causal, offset by the cached tokens, and within the window."""
+        if window not in self.masks:
+            keys = torch.arange(self.seq_len, device=self.device)
+            queries = keys[self.seq_len - self.num_queries:].unsqueeze(1)  # the chunk's positions
+            visible = keys <= queries
+            if window:
+                visible &= keys > queries - window
+            self.masks[window] = visible
+        return self.masks[window]
 
 
 @dataclass(slots=True)
@@ -57,7 +79,7 @@ class TorchReferenceAttention:
             seq_lens = meta.seq_lens if all_decode else meta.seq_lens[index]
             mask = torch.arange(num_blocks * block_size, device=device).unsqueeze(0) < seq_lens.unsqueeze(1)
             rows = None if all_decode else meta.cu_seqlens_q[index].long()
-            decode = DecodePlan(rows, table.long(), mask, seq_lens.long(), num_blocks)
+            decode = DecodePlan(rows, table.long(), seq_lens.long(), num_blocks, {0: mask})
         prefills = []
         if len(decode_rows) < meta.num_seqs:
             starts = meta.cu_seqlens_q.tolist()
@@ -65,18 +87,15 @@ class TorchReferenceAttention:
                 if n == 1:
                     continue
                 seq_len = meta.seq_lens_host[i]
-                if seq_len == n:
-                    prefills.append(PrefillPlan(starts[i], n, seq_len, None, None))
-                    continue
-                blocks = meta.block_table[i, :-(-seq_len // block_size)].long()
-                positions = torch.arange(seq_len, device=blocks.device)
-                prefills.append(PrefillPlan(starts[i], n, seq_len, blocks,
-                                            positions.unsqueeze(0) <= positions[seq_len - n:].unsqueeze(1)))
+                blocks = None if seq_len == n else meta.block_table[i, :-(-seq_len // block_size)].long()
+                prefills.append(PrefillPlan(starts[i], n, seq_len, blocks, meta.block_table.device))
         return AttentionPlan(meta, decode, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, plan: AttentionPlan | AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]."""
+                v_cache: torch.Tensor, plan: AttentionPlan | AttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]. window, softcap: see
+        AttentionBackend."""
         if isinstance(plan, AttentionMetadata):
             plan = self.plan(plan, k_cache.shape[1])
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -85,31 +104,37 @@ class TorchReferenceAttention:
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.decode is not None:
-            self._decode(q, k_cache, v_cache, plan.decode, scale, out)
+            self._decode(q, k_cache, v_cache, plan.decode, scale, window, softcap, out)
         for p in plan.prefills:
             qs = q[p.start:p.start + p.num_queries].transpose(0, 1)  # [Hq, n, D]
             if p.blocks is None:  # nothing cached before this chunk: attend to the new keys directly
                 ks = k[p.start:p.start + p.num_queries].transpose(0, 1)
                 vs = v[p.start:p.start + p.num_queries].transpose(0, 1)
-                o = _causal_self_attention(qs, ks, vs, scale)
             else:
                 ks = k_cache[p.blocks].flatten(0, 1)[:p.seq_len].transpose(0, 1)
                 vs = v_cache[p.blocks].flatten(0, 1)[:p.seq_len].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True)
+            if softcap:
+                o = _grouped_prefill(qs, ks, vs, p.mask(window), scale, softcap)
+            elif p.blocks is None and not window:
+                o = _causal_self_attention(qs, ks, vs, scale)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask(window), scale=scale,
+                                                   enable_gqa=True)
             out[p.start:p.start + p.num_queries] = o.transpose(0, 1)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
-                scale: float, out: torch.Tensor) -> None:
+                scale: float, window: int, softcap: float, out: torch.Tensor) -> None:
         # [B, L, Hkv, D] -> [B, Hkv, L, D]
         ks = k_cache[plan.blocks].flatten(1, 2).transpose(1, 2)
         vs = v_cache[plan.blocks].flatten(1, 2).transpose(1, 2)
         qs = q if plan.rows is None else q[plan.rows]  # [B, Hq, D]
-        if qs.dtype == torch.float32:
-            o = F.scaled_dot_product_attention(qs.unsqueeze(2), ks, vs, attn_mask=plan.mask[:, None, None, :],
+        mask = plan.mask(window)
+        if qs.dtype == torch.float32 and not softcap:
+            o = F.scaled_dot_product_attention(qs.unsqueeze(2), ks, vs, attn_mask=mask[:, None, None, :],
                                                scale=scale, enable_gqa=True).squeeze(2)
         else:  # CPU SDPA in bf16/fp16 with a mask and GQA is ~6x slower than this (measured at batch 32)
-            o = _grouped_decode(qs, ks, vs, plan.mask, scale)
+            o = _grouped_decode(qs, ks, vs, mask, scale, softcap)
         if plan.rows is None:
             out.copy_(o)
         else:
@@ -130,14 +155,32 @@ def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
                                           scale=scale)[0]
 
 
-def _grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+def _grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                    softcap: float = 0.0) -> torch.Tensor:
     """One query per sequence against [B, Hkv, L, D] keys: query heads grouped per KV head, scores
     and softmax in fp32."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
-    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(q.dtype)
-    return torch.matmul(probs, v).reshape(batch, num_heads, head_dim)
+    probs = _probabilities(torch.matmul(grouped, k.transpose(-1, -2)), mask[:, None, None, :], scale, softcap)
+    return torch.matmul(probs.to(q.dtype), v).reshape(batch, num_heads, head_dim)
+
+
+def _grouped_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float) -> torch.Tensor:
+    """Queries [Hq, n, D] against keys and values [Hkv, L, D] under mask [n, L], query heads grouped per KV
+    head (no repeated keys): the path for soft-capped scores, which SDPA cannot apply."""
+    num_heads, n, head_dim = q.shape
+    num_kv_heads, length = k.shape[0], k.shape[1]
+    grouped = q.reshape(num_kv_heads, -1, head_dim)  # a KV head's G * n query rows, head by head
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).view(num_kv_heads, -1, n, length)  # [Hkv, G, n, L]
+    probs = _probabilities(scores, mask, scale, softcap).view(num_kv_heads, -1, length)
+    return torch.matmul(probs.to(q.dtype), v).view(num_heads, n, head_dim)
+
+
+def _probabilities(scores: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """softmax over the last dimension of the scaled, soft-capped and masked scores, in fp32."""
+    scores = scores.float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)

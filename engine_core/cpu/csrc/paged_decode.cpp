@@ -1,6 +1,8 @@
-// Paged decode attention for CPU: one query per sequence against its keys and values read in place
-// from the block-paged cache (no gather, no padding), scores and softmax in fp32.
-// Work is split over (sequence, KV head) pairs; each pair serves its group of query heads (GQA).
+// Paged attention for CPU: one query per row against its keys and values read in place from the block-paged
+// cache (no gather, no padding), scores and softmax in fp32. A row sees the first key_count keys of its
+// sequence, or with a sliding window W only the last W of them (the only ones read, so a long sequence costs
+// W keys), and its scores may be soft-capped, cap * tanh(s / cap), before the softmax (Gemma 2).
+// Work is split over (row, KV head) pairs; each pair serves its group of query heads (GQA).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,14 +28,62 @@ inline float to_float(at::BFloat16 x) {
 }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
-// Where each of a sequence's first `len` tokens starts in the cache (in elements, plus head_offset),
-// from one walk over its block table: the kernels then read row t at cache + offsets[t].
-inline void row_offsets(const int64_t* table, int64_t len, int64_t block_size, int64_t token_stride,
-                        int64_t head_offset, std::vector<int64_t>& offsets) {
-  offsets.resize(len);
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk)
-    for (int64_t i = 0, n = std::min(block_size, len - t0); i < n; ++i)
-      offsets[t0 + i] = (table[blk] * block_size + i) * token_stride + head_offset;
+// Everything a kernel reads, one struct for every code path.
+template <typename scalar_t>
+struct Args {
+  const scalar_t* q;  // [rows, num_heads, head_dim]
+  const scalar_t* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const scalar_t* v_cache;
+  const int64_t* block_table;  // [rows, table_width]: each row's sequence's blocks
+  const int64_t* key_counts;  // [rows]: the keys of its sequence up to and including the row's own
+  scalar_t* out;  // [rows, num_heads, head_dim]
+  int64_t rows, num_heads, num_kv_heads, head_dim, block_size, table_width;
+  int64_t window;  // sliding window in keys, 0: none
+  float scale;
+  float softcap;  // 0: none
+};
+
+// Where each key row b attends to starts in the cache (in elements, plus head_offset), from one walk over
+// the blocks its window spans: the kernels then read its i-th key at cache + offsets[i]. Returns how many.
+template <typename scalar_t>
+int64_t key_offsets(const Args<scalar_t>& a, int64_t b, int64_t head_offset, std::vector<int64_t>& offsets) {
+  const int64_t count = a.key_counts[b];
+  const int64_t first = a.window > 0 ? std::max<int64_t>(0, count - a.window) : 0;
+  const int64_t* table = a.block_table + b * a.table_width;
+  const int64_t token_stride = a.num_kv_heads * a.head_dim;
+  offsets.resize(count - first);
+  for (int64_t t = first; t < count;) {  // block by block: one table read per block, no division per key
+    const int64_t blk = t / a.block_size, end = std::min(count, (blk + 1) * a.block_size);
+    const int64_t base = (table[blk] - blk) * a.block_size;  // key t's slot is base + t
+    for (; t < end; ++t) offsets[t - first] = (base + t) * token_stride + head_offset;
+  }
+  return count - first;
+}
+
+#if defined(__AVX512F__)
+// In place: s[0:len] = cap * tanh(s[0:len] / cap), 16 at a time, with tanh(x) = 1 - 2 / (e^2x + 1). x is
+// clamped to +-9 (tanh(9) is 1 in fp32) so that e^2x stays finite: -ffast-math assumes no infinities.
+inline void softcap16(float* s, int64_t len, float cap) {
+  const __m512 inv2 = _mm512_set1_ps(2.f / cap), lo = _mm512_set1_ps(-18.f), hi = _mm512_set1_ps(18.f);
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), vcap = _mm512_set1_ps(cap);
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 k = tail_mask(len - t);
+    const __m512 x2 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), inv2), lo), hi);
+    const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp16(x2), one)));
+    _mm512_mask_storeu_ps(s + t, k, _mm512_mul_ps(vcap, th));
+  }
+}
+#endif
+
+// Scores soft-capped in place before the softmax, where the layer asks for it.
+inline void softcap_scores(float* s, int64_t len, float cap) {
+  if (cap <= 0.f) return;
+#if defined(__AVX512F__)
+  softcap16(s, len, cap);
+#else
+  const float inv = 1.f / cap;
+  for (int64_t t = 0; t < len; ++t) s[t] = cap * std::tanh(s[t] * inv);
+#endif
 }
 
 #if defined(__AVX512F__)
@@ -59,26 +109,23 @@ inline void softmax16(float* s, int64_t len) {
 
 // The same computation with AVX-512 registers: HD/16 vectors per row, group query rows.
 template <typename scalar_t, int HD>
-void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_table,
-                   const int64_t* seq_lens, scalar_t* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t block_size, int64_t table_width, float scale) {
+void decode_avx512(const Args<scalar_t>& a) {
   constexpr int C = HD / 16;
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * HD;
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_heads = a.num_heads, num_kv_heads = a.num_kv_heads, group = num_heads / num_kv_heads;
+  at::parallel_for(0, a.rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * HD), acc(group * HD), scores;
     std::vector<int64_t> offsets;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / num_kv_heads, h = work % num_kv_heads;
-      const int64_t len = seq_lens[b];
-      row_offsets(block_table + b * table_width, len, block_size, token_stride, h * HD, offsets);
+      const int64_t len = key_offsets(a, b, h * HD, offsets);
       for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* qrow = q + (b * num_heads + h * group + g) * HD;
-        for (int c = 0; c < C; ++c) store16(&qf[g * HD + c * 16], _mm512_mul_ps(load16(qrow + c * 16), _mm512_set1_ps(scale)));
+        const scalar_t* qrow = a.q + (b * num_heads + h * group + g) * HD;
+        for (int c = 0; c < C; ++c)
+          store16(&qf[g * HD + c * 16], _mm512_mul_ps(load16(qrow + c * 16), _mm512_set1_ps(a.scale)));
       }
       scores.resize(group * len);
       for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* krow = k_cache + offsets[t];
+        const scalar_t* krow = a.k_cache + offsets[t];
         __m512 k[C];
         for (int c = 0; c < C; ++c) k[c] = load16(krow + c * 16);
         for (int64_t g = 0; g < group; ++g) {
@@ -87,20 +134,23 @@ void decode_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
           scores[g * len + t] = _mm512_reduce_add_ps(dot);
         }
       }
-      for (int64_t g = 0; g < group; ++g) softmax16(scores.data() + g * len, len);
+      for (int64_t g = 0; g < group; ++g) {
+        softcap_scores(scores.data() + g * len, len, a.softcap);
+        softmax16(scores.data() + g * len, len);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* vrow = v_cache + offsets[t];
+        const scalar_t* vrow = a.v_cache + offsets[t];
         __m512 v[C];
         for (int c = 0; c < C; ++c) v[c] = load16(vrow + c * 16);
         for (int64_t g = 0; g < group; ++g) {
           const __m512 p = _mm512_set1_ps(scores[g * len + t]);
-          float* a = &acc[g * HD];
-          for (int c = 0; c < C; ++c) store16(a + c * 16, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(a + c * 16)));
+          float* sum = &acc[g * HD];
+          for (int c = 0; c < C; ++c) store16(sum + c * 16, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(sum + c * 16)));
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        scalar_t* orow = out + (b * num_heads + h * group + g) * HD;
+        scalar_t* orow = a.out + (b * num_heads + h * group + g) * HD;
         for (int64_t d = 0; d < HD; ++d) orow[d] = static_cast<scalar_t>(acc[g * HD + d]);
       }
     }
@@ -141,24 +191,21 @@ inline void prefetch_span(const at::BFloat16* p, int64_t elements) {
 // takes whole sequences when there are enough of them: a token's KV heads are one contiguous row, so
 // each block streams in once; few sequences are split by KV head to keep every thread busy.
 template <int G, int HD>
-void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
-                 const int64_t* block_table, const int64_t* seq_lens, at::BFloat16* out, int64_t batch,
-                 int64_t num_kv_heads, int64_t block_size, int64_t table_width, float scale) {
+void decode_bf16(const Args<at::BFloat16>& a) {
   constexpr int C = HD / 32;  // 512-bit vectors of bf16 per row
-  const int64_t num_heads = G * num_kv_heads;
-  const int64_t token_stride = num_kv_heads * HD;
-  const int64_t heads_per_task = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const at::BFloat16 *q = a.q, *k_cache = a.k_cache, *v_cache = a.v_cache;
+  const int64_t num_kv_heads = a.num_kv_heads, num_heads = G * num_kv_heads;
+  const int64_t heads_per_task = a.rows >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
-  at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.rows * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<int64_t> offsets;  // where each token's row starts
+    std::vector<int64_t> offsets;  // where each key's row starts
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / tasks_per_seq, first_head = (work % tasks_per_seq) * heads_per_task;
-      const int64_t len = seq_lens[b];
-      row_offsets(block_table + b * table_width, len, block_size, token_stride, first_head * HD, offsets);
+      const int64_t len = key_offsets(a, b, first_head * HD, offsets);
       const int64_t padded = (len + 15) / 16 * 16;
       scores.resize(G * padded);
-      const __m512 vscale = _mm512_set1_ps(scale);
+      const __m512 vscale = _mm512_set1_ps(a.scale);
       for (int64_t h = first_head; h < first_head + heads_per_task; ++h) {
         const int64_t head_offset = (h - first_head) * HD;
         const bool fetch = h == first_head;  // its prefetches cover every head of the task
@@ -186,7 +233,10 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
             _mm512_storeu_ps(&scores[g * padded + t0], _mm512_mul_ps(sum_lanes16(dots), vscale));
           }
         }
-        for (int g = 0; g < G; ++g) softmax16(scores.data() + g * padded, len);
+        for (int g = 0; g < G; ++g) {
+          softcap_scores(scores.data() + g * padded, len, a.softcap);
+          softmax16(scores.data() + g * padded, len);
+        }
         __m512 even[G][C], odd[G][C];
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < C; ++c) even[g][c] = odd[g][c] = _mm512_setzero_ps();
@@ -205,7 +255,7 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
           }
         }
         for (int g = 0; g < G; ++g) {
-          at::BFloat16* orow = out + (b * num_heads + h * G + g) * HD;
+          at::BFloat16* orow = a.out + (b * num_heads + h * G + g) * HD;
           alignas(64) float e[16], o[16];
           for (int c = 0; c < C; ++c) {
             _mm512_store_ps(e, even[g][c]);
@@ -222,8 +272,7 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
 }
 
 // The bf16 kernel for this (group, head size), or nullptr when none is compiled for it.
-using Bf16Kernel = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*,
-                            const int64_t*, at::BFloat16*, int64_t, int64_t, int64_t, int64_t, float);
+using Bf16Kernel = void (*)(const Args<at::BFloat16>&);
 template <int HD>
 Bf16Kernel bf16_kernel_for_group(int64_t group) {
   switch (group) {
@@ -238,29 +287,26 @@ Bf16Kernel bf16_kernel_for_group(int64_t group) {
 #endif
 #endif
 
-// HD: the head size when known at compile time (64, 128: fixed trip counts vectorize), else 0.
+// The portable path (the AVX2 build's, the scalar build's, and any head size or dtype the others lack).
+// HD: the head size when known at compile time (64, 128, 256: fixed trip counts vectorize), else 0.
 template <typename scalar_t, int HD>
-void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_table,
-            const int64_t* seq_lens, scalar_t* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-            int64_t dynamic_head_dim, int64_t block_size, int64_t table_width, float scale) {
-  const int64_t head_dim = HD > 0 ? HD : dynamic_head_dim;
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the cache
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+void decode(const Args<scalar_t>& a) {
+  const int64_t head_dim = HD > 0 ? HD : a.head_dim;
+  const int64_t num_heads = a.num_heads, num_kv_heads = a.num_kv_heads, group = num_heads / num_kv_heads;
+  at::parallel_for(0, a.rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     std::vector<int64_t> offsets;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / num_kv_heads, h = work % num_kv_heads;
-      const int64_t len = seq_lens[b];
-      row_offsets(block_table + b * table_width, len, block_size, token_stride, h * head_dim, offsets);
+      const int64_t len = key_offsets(a, b, h * head_dim, offsets);
       for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* qrow = q + (b * num_heads + h * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(qrow[d]) * scale;
+        const scalar_t* qrow = a.q + (b * num_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(qrow[d]) * a.scale;
       }
       scores.resize(group * len);
       float* kf = row.data();
       for (int64_t t = 0; t < len; ++t) {  // q·k, keys read in place
-        const scalar_t* krow = k_cache + offsets[t];
+        const scalar_t* krow = a.k_cache + offsets[t];
         for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(krow[d]);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * head_dim;
@@ -271,6 +317,7 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
       }
       for (int64_t g = 0; g < group; ++g) {  // softmax
         float* sc = scores.data() + g * len;
+        softcap_scores(sc, len, a.softcap);
         const float top = *std::max_element(sc, sc + len);
         for (int64_t t = 0; t < len; ++t) sc[t] = expf(sc[t] - top);  // separate loops vectorize (libmvec)
         float sum = 0.f;
@@ -281,67 +328,72 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
       std::fill(acc.begin(), acc.end(), 0.f);
       float* vf = row.data();
       for (int64_t t = 0; t < len; ++t) {  // Σ p·v
-        const scalar_t* vrow = v_cache + offsets[t];
+        const scalar_t* vrow = a.v_cache + offsets[t];
         for (int64_t d = 0; d < head_dim; ++d) vf[d] = to_float(vrow[d]);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + t];
-          float* a = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vf[d];
+          float* sum = acc.data() + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) sum[d] += p * vf[d];
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        scalar_t* orow = out + (b * num_heads + h * group + g) * head_dim;
+        scalar_t* orow = a.out + (b * num_heads + h * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) orow[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
       }
     }
   });
 }
 
+// The fastest path compiled for this dtype and head size.
+template <typename scalar_t>
+void dispatch(const Args<scalar_t>& args) {
+  const int64_t head_dim = args.head_dim;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    const int64_t group = args.num_heads / args.num_kv_heads;
+    const Bf16Kernel kernel = head_dim == 64    ? bf16_kernel_for_group<64>(group)
+                              : head_dim == 128 ? bf16_kernel_for_group<128>(group)
+                              : head_dim == 256 ? bf16_kernel_for_group<256>(group)
+                                                : nullptr;
+    if (kernel != nullptr) return kernel(args);
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, float>) {
+    if (head_dim == 64) return decode_avx512<scalar_t, 64>(args);
+    if (head_dim == 128) return decode_avx512<scalar_t, 128>(args);
+    if (head_dim == 256) return decode_avx512<scalar_t, 256>(args);
+  }
+#endif
+  if (head_dim == 64) decode<scalar_t, 64>(args);
+  else if (head_dim == 128) decode<scalar_t, 128>(args);
+  else if (head_dim == 256) decode<scalar_t, 256>(args);
+  else decode<scalar_t, 0>(args);
+}
+
 }  // namespace
 
-// q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_table: [B, W] int64;
-// seq_lens: [B] int64. Returns [B, Hq, D].
+// q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_table: [T, W] int64; key_counts:
+// [T] int64 (position + 1); window: 0 or the keys a row sees, its own included; softcap: 0 or the cap.
+// Returns [T, Hq, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                           torch::Tensor seq_lens, double scale) {
+                           torch::Tensor key_counts, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   q = q.contiguous();
   block_table = block_table.to(torch::kLong).contiguous();
-  seq_lens = seq_lens.to(torch::kLong).contiguous();
+  key_counts = key_counts.to(torch::kLong).contiguous();
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-             block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0),
-             q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1), static_cast<float>(scale));
-    };
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      const int64_t group = q.size(1) / k_cache.size(2);
-      Bf16Kernel kernel = q.size(2) == 64 ? bf16_kernel_for_group<64>(group)
-                          : q.size(2) == 128 ? bf16_kernel_for_group<128>(group) : nullptr;
-      if (kernel != nullptr)
-        return kernel(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                      block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(),
-                      q.size(0), k_cache.size(2), k_cache.size(1), block_table.size(1), static_cast<float>(scale));
-    }
-#endif
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, float>) {
-      auto fast = [&](auto kernel) {
-        kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-               block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0),
-               q.size(1), k_cache.size(2), k_cache.size(1), block_table.size(1), static_cast<float>(scale));
-      };
-      if (q.size(2) == 64) return fast(decode_avx512<scalar_t, 64>);
-      if (q.size(2) == 128) return fast(decode_avx512<scalar_t, 128>);
-    }
-#endif
-    if (q.size(2) == 64) run(decode<scalar_t, 64>);
-    else if (q.size(2) == 128) run(decode<scalar_t, 128>);
-    else run(decode<scalar_t, 0>);
+    const Args<scalar_t> args{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                              block_table.data_ptr<int64_t>(), key_counts.data_ptr<int64_t>(),
+                              out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
+                              k_cache.size(1), block_table.size(1), window, static_cast<float>(scale),
+                              static_cast<float>(softcap)};
+    dispatch(args);
   });
   return out;
 }
