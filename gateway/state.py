@@ -46,8 +46,10 @@ class Gateway:
                  config_path: str | Path | None = None, tracer_provider: Any = None) -> None:
         server = config.server
         self.health = HealthTracker(server.eject_after_failures, server.eject_cooldown)
+        self.started: dict[int, bool] = {}  # by id(backend): start() has finished
+        self.failed: dict[int, str] = {}  # by id(backend): start() raised this (the reason /health gives)
         backends = backends if backends is not None else build_backends(config)
-        self.snapshot = Snapshot(config, backends, Router(config, backends, self.health))
+        self.snapshot = Snapshot(config, backends, Router(config, backends, self.health, failed=self.failed))
         self.config_path = Path(config_path) if config_path else None
         self.metrics = GatewayMetrics(tgi_compatible=server.tgi_metrics)
         self.metrics.add_state_source(engine_state(self._engines))
@@ -61,7 +63,6 @@ class Gateway:
         self.gates: dict[str, ModelGate] = {}
         self.draining = False
         self.keys = KeyRing(config)
-        self.started: dict[int, bool] = {}  # by id(backend): start() has finished
         self.users: dict[int, int] = {}  # by id(backend): requests generating on it now
         self._tasks: list[asyncio.Task[None]] = []
         self._reload_lock: asyncio.Lock | None = None
@@ -99,6 +100,9 @@ class Gateway:
             await backend.start()
         except Exception as exc:
             log.error("backend %s failed to start: %s: %s", name, type(exc).__name__, exc)
+            # it is not retried: /health, /admin/backends, the metrics and its requests say why until a reload
+            # replaces it (a worker's reason already names the engine's exception: "ModelLoadError: ...")
+            self.failed[id(backend)] = str(exc) or type(exc).__name__
             return False
         self.started[id(backend)] = True
         for label, member in _engines_of(name, backend):
@@ -165,14 +169,18 @@ class Gateway:
         return observe
 
     def _backend_state(self) -> Iterator[Any]:
-        names = list(self.backends)
+        backends = self.backends.items()
         yield gauge("llmgw_backend_healthy", "1 when the backend passes its health checks and is not ejected",
-                    ["backend"], [([n], float(self.health.describe(n) == "healthy")) for n in names])
+                    ["backend"], [([n], float(bool(self.started.get(id(b))) and self.health.describe(n) == "healthy"))
+                                  for n, b in backends])
         yield gauge("llmgw_backend_circuit_open", "1 while passive ejection keeps the backend out", ["backend"],
-                    [([n], float(self.health.describe(n) == "ejected")) for n in names])
+                    [([n], float(self.health.describe(n) == "ejected")) for n, _ in backends])
+        yield gauge("llmgw_backend_failed", "1 when the backend failed to start (/health says why)", ["backend"],
+                    [([n], float(id(b) in self.failed)) for n, b in backends])
 
     def healthy(self) -> bool:
-        """Ready when every model has at least one started backend that is not ejected, and not draining."""
+        """Ready when every model has at least one started backend that is not ejected, and not draining
+        (a backend whose start failed never started: a model served only by failed ones keeps this False)."""
         if self.draining:
             return False
         snapshot = self.snapshot
@@ -183,10 +191,13 @@ class Gateway:
         return True
 
     def backend_states(self) -> dict[str, str]:
-        """Each backend's state in words, for /health's 503 body: a starting one says which step it is in."""
+        """Each backend's state in words, for /health's 503 body: a starting one says which step it is in,
+        a failed one why ("failed: ModelLoadError: ...")."""
         states = {}
         for name, backend in self.snapshot.backends.items():
-            if not self.started.get(id(backend)):
+            if (reason := self.failed.get(id(backend))) is not None:
+                states[name] = f"failed: {reason}"
+            elif not self.started.get(id(backend)):
                 step = getattr(backend, "startup_step", lambda: None)()
                 states[name] = f"starting: {step}" if step else "starting"
             else:
@@ -306,7 +317,7 @@ class Gateway:
             self.health.eject_after = max(1, new.server.eject_after_failures)
             self.health.cooldown = new.server.eject_cooldown
             self.keys = KeyRing(new, self.keys)
-            self.snapshot = Snapshot(new, backends, Router(new, backends, self.health))
+            self.snapshot = Snapshot(new, backends, Router(new, backends, self.health, failed=self.failed))
             kept = {id(b) for b in backends.values()}
             for backend in old.backends.values():
                 if id(backend) not in kept:
@@ -322,10 +333,13 @@ class Gateway:
             results = [False] * len(fresh)
         failed = [name for name, ok in zip(fresh, results) if not ok]
         if failed:
+            reason = self.failed.get(id(fresh[failed[0]]))
             for backend in fresh.values():
+                self.failed.pop(id(backend), None)  # never active: nothing to report (and its id may be reused)
                 with contextlib.suppress(Exception):
                     await backend.aclose()
-            raise ConfigError(f"backends.{failed[0]}: did not start healthy; the active config is unchanged")
+            why = f"failed to start: {reason}" if reason else "did not start healthy"
+            raise ConfigError(f"backends.{failed[0]}: {why}; the active config is unchanged")
 
     async def _retire(self, backend: Backend) -> None:
         await asyncio.sleep(RETIRE_GRACE)
@@ -334,6 +348,7 @@ class Gateway:
         with contextlib.suppress(Exception):
             await backend.aclose()
         self.started.pop(id(backend), None)
+        self.failed.pop(id(backend), None)
 
     async def _watch_file(self) -> None:
         assert self.config_path is not None

@@ -222,9 +222,10 @@ class EngineWorkerBackend:
     def describe_state(self) -> str:
         """The worker's state in words, for /health: "ready", or "restarting (restart 2; the last ended: ...)"."""
         if self.state in ("restarting", "failed") or self.restarts:
-            detail = f"restart {self.restarts}; the last worker ended: {self.last_exit}" if self.restarts else ""
-            error = f"; {self.load_error}" if self.load_error and self.state != "ready" else ""
-            return f"{self.state} ({detail}{error})" if detail or error else self.state
+            parts = [f"restart {self.restarts}; the last worker ended: {self.last_exit}"] if self.restarts else []
+            if self.load_error and self.state != "ready":
+                parts.append(self.load_error)
+            return f"{self.state} ({'; '.join(parts)})" if parts else self.state
         return self.state
 
     def startup_step(self) -> str | None:

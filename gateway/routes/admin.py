@@ -31,8 +31,8 @@ class AdminController(Controller):
          operation_id="migration_report")
     async def migrations(self, gateway: Gateway, request: Request) -> dict[str, Any]:
         require_admin(gateway, request)
-        health = {name: gateway.health.describe(name) for name in gateway.backends}
-        return {"config_version": gateway.config.version, "backends": health, "pairs": gateway.shadows.report()}
+        return {"config_version": gateway.config.version, "backends": gateway.backend_states(),
+                "pairs": gateway.shadows.report()}
 
     @get("/backends", summary="Each backend's state, and each replica's of a pool (engine workers included)",
          operation_id="backend_states")

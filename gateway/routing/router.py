@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,11 +109,15 @@ def weighted_choice(routes: list[WeightedRoute], key: str | None, rng: random.Ra
 
 class Router:
     def __init__(self, config: GatewayConfig, backends: dict[str, Backend], health: HealthTracker,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, failed: Mapping[int, str] | None = None) -> None:
         self.config = config
         self.backends = backends
         self.health = health
         self.rng = rng or random.Random()
+        self.failed = failed if failed is not None else {}  # by id(backend): why its start failed (the gateway's)
+
+    def _failure(self, name: str) -> str | None:
+        return self.failed.get(id(self.backends[name]))
 
     def resolve(self, name: str | None, header_key: str | None = None,
                 user_key: str | None = None) -> ModelRoute | None:
@@ -127,19 +132,30 @@ class Router:
         if found is None:
             return None
         canonical, model = found
-        routes = primary_routes(model)
+        # a backend whose start failed will not serve until a reload replaces it: leave it out, and when every
+        # backend of the model failed, say so (rather than a template or tokenizer error from a model not there)
+        routes = [r for r in primary_routes(model) if self._failure(r.backend) is None]
+        fallback = [b for b in model.fallback if self._failure(b) is None]
+        if not routes and not fallback:
+            raise self._all_failed(canonical, model)
         healthy = [r for r in routes if self.health.available(r.backend)]
         sticky_key = {"header": header_key, "user": user_key}.get(model.sticky or "")
-        chosen = weighted_choice(healthy or routes, sticky_key, self.rng)
-        order = [chosen] + [b for b in model.fallback if b != chosen]
+        chosen = weighted_choice(healthy or routes, sticky_key, self.rng) if routes else fallback[0]
+        order = [chosen] + [b for b in fallback if b != chosen]
         available = [b for b in order if self.health.available(b)]
         # every tier ejected: try them all anyway rather than refuse outright
         tiers = [(b, self.backends[b]) for b in (available or order)]
         shadow = None
-        if model.shadow and model.shadow.backend != chosen and self.rng.random() < model.shadow.sample:
+        if model.shadow and model.shadow.backend != chosen and self._failure(model.shadow.backend) is None \
+                and self.rng.random() < model.shadow.sample:
             shadow = (model.shadow.backend, self.backends[model.shadow.backend])
         route = ModelRoute(canonical, model, tiers, shadow, self.config.version)
         return with_adapter(route, adapter, "model") if adapter is not None else route
+
+    def _all_failed(self, canonical: str, model: ModelConfig) -> GatewayError:
+        names = dict.fromkeys([r.backend for r in primary_routes(model)] + list(model.fallback))
+        reasons = "; ".join(f"backend `{n}` failed to start: {self._failure(n)}" for n in names)
+        return GatewayError(f"model `{canonical}` cannot serve: {reasons}", kind="unavailable", code="backend_failed")
 
     def adapter_owner(self, adapter: str) -> tuple[str, ModelConfig] | None:
         """The model whose backends serve a LoRA adapter of this name (the first, in config order)."""
