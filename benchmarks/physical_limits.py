@@ -25,7 +25,7 @@ from benchmarks.engine_vs_vllm import describe_cpu  # noqa: E402
 from benchmarks.profile_step import decode_steps  # noqa: E402
 from engine_core import EngineConfig, LLMEngine  # noqa: E402
 from engine_core.loader import resolve_model_dir  # noqa: E402
-from engine_core.models.linear import Linear  # noqa: E402
+from engine_core.models.layers.linear import Linear  # noqa: E402
 
 
 def read_bandwidth(gib: float = 1.0, passes: int = 5) -> float:

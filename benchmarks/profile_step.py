@@ -23,7 +23,7 @@ from benchmarks.engine_throughput import random_prompts  # noqa: E402
 from engine_core import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine_core.cpu.features import cpu_features  # noqa: E402
 from engine_core.loader import resolve_model_dir  # noqa: E402
-from engine_core.models.layer_ops import TorchLayerOps  # noqa: E402
+from engine_core.models.layers.layer_ops import TorchLayerOps  # noqa: E402
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int) -> dict[str, float]:
@@ -93,7 +93,7 @@ def main() -> None:
 def compare_ops(engine: LLMEngine, args: argparse.Namespace) -> None:
     """The median step with the model's own layer ops and with torch ops, 3 rounds alternating; best of each."""
     model = engine.model
-    own, reference = model.ops, TorchLayerOps(model.rope, model.args.rms_norm_eps)
+    own, reference = model.ops, TorchLayerOps(model.args.rms_norm_eps)
     for batch in args.batch:
         best = {"model": float("inf"), "torch": float("inf")}
         for _ in range(3):

@@ -42,7 +42,7 @@ def drain(engine: LLMEngine) -> None:
 
 def measure(linear: str, prefix_len: int, question_len: int, repeats: int) -> dict[str, float]:
     # --linear kernel: the compiled kernel even where the engine would take oneDNN
-    forced = patch("engine_core.models.llama.linear_kernels", lambda k: k) if linear == "kernel" else nullcontext()
+    forced = patch("engine_core.models.decoder.linear_kernels", lambda k: k) if linear == "kernel" else nullcontext()
     with forced:
         engine = LLMEngine(EngineConfig(model=str(resolve_model_dir("embedded")), dtype="bfloat16", num_blocks=512,
                                         max_num_seqs=16, enable_prefix_caching=True, num_threads=1))

@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 
 from engine_core.attention import AttentionMetadata
-from engine_core.models.llama import LlamaModel
+from engine_core.models.decoder import DecoderModel
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, max_batch: int, max_model_len: int, block_size: int,
+    def __init__(self, model: DecoderModel, max_batch: int, max_model_len: int, block_size: int,
                  capture: bool = True) -> None:
         """capture=False runs the same padded steps eagerly: what the tests check on a machine with no GPU."""
         self.model = model

@@ -23,14 +23,15 @@ from engine_core.loader import (
     EMBEDDED_NAME,
     cache_root,
     embedded_is_converted,
-    load_model_args,
+    gguf_cache_dir,
+    gguf_to_convert,
     load_state_dict,
     load_tokenizer,
     resolve_model_dir,
 )
 from engine_core.lora import LoraAdapter, LoraError, LoraInUseError, LoraRegistry
 from engine_core.model_runner import ModelRunner
-from engine_core.models.llama import LlamaModel
+from engine_core.models.registry import build_model, load_model_args
 from engine_core.outputs import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from engine_core.sampling.params import SamplingParams
 from engine_core.sampling.sampler import Sampler
@@ -90,6 +91,9 @@ class LLMEngine:
         if config.model == EMBEDDED and not embedded_is_converted():
             with progress.step(f"converting the embedded {EMBEDDED_NAME} into {cache_root()} (once)"):
                 self.model_dir = resolve_model_dir(config.model)
+        elif (gguf := gguf_to_convert(config.model)) is not None:
+            with progress.step(f"converting {gguf} into {gguf_cache_dir(gguf)} (once)"):
+                self.model_dir = resolve_model_dir(config.model)
         else:
             self.model_dir = resolve_model_dir(config.model)
         self.model_args = load_model_args(self.model_dir)
@@ -102,8 +106,8 @@ class LLMEngine:
                 build = kernel_build()
                 details.append(build.describe() if build else "unavailable: torch reference paths")
         with progress.step(f"loading weights from {self.model_dir}") as details:
-            self.model = LlamaModel(self.model_args, load_state_dict(self.model_dir), dtype, self.max_model_len,
-                                    select_attention(config, self.device), device=self.device)
+            self.model = build_model(self.model_args, load_state_dict(self.model_dir), dtype, self.max_model_len,
+                                     select_attention(config, self.device), self.device)
             details.append(f"attention {self.model.attention.name}, layer ops {type(self.model.ops).__name__}, "
                            f"linear layers {self.model.lm_head.path}")
         with progress.step("allocating the KV cache") as details:

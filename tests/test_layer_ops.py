@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.cpu.kernels import cpu_kernels
-from engine_core.models.layer_ops import FusedLayerOps, TorchLayerOps
-from engine_core.models.rope import RotaryEmbedding
+from engine_core.models.layers.layer_ops import FusedLayerOps, TorchLayerOps
+from engine_core.models.layers.rotary import RotaryEmbedding
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_fused_add_rms_norm_matches_torch_to_the_last_bit_or_one_ulp(kernels, ro
         assert (mine != theirs).float().mean() < 1e-3
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fused_rotary_matches_torch_and_touches_only_queries_and_keys(kernels, head_dim: int) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(head_dim)
     heads, kv_heads, tokens = 6, 2, 41
@@ -46,12 +46,12 @@ def test_fused_rotary_matches_torch_and_touches_only_queries_and_keys(kernels, h
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
     positions = torch.randint(0, 2048, (tokens,))
     split = (heads + kv_heads) * head_dim
-    torch_ops, fused = TorchLayerOps(rope, 1e-5), FusedLayerOps(rope, 1e-5, kernels, torch.bfloat16)
+    torch_ops, fused = TorchLayerOps(1e-5), FusedLayerOps(1e-5, kernels, torch.bfloat16)
     torch_ops.begin_step(positions)
     fused.begin_step(positions)
-    want = torch_ops.rotate(qkv[:, :split].view(tokens, -1, head_dim)).float()
+    want = torch_ops.rotate(qkv[:, :split].view(tokens, -1, head_dim), rope).float()
     rotated = qkv.clone()
-    fused.rotate(rotated[:, :split].view(tokens, -1, head_dim))  # a strided view, rotated in place
+    fused.rotate(rotated[:, :split].view(tokens, -1, head_dim), rope)  # a strided view, rotated in place
     got = rotated[:, :split].view(tokens, -1, head_dim).float()
     assert (got - want).abs().max() <= 2 * 2 ** -8 * want.abs().max()  # bf16 rounding, not a wrong angle
     assert torch.equal(rotated[:, split:], qkv[:, split:])  # values untouched
@@ -85,7 +85,7 @@ def test_bf16_forward_with_fused_ops_matches_torch_ops(smollm_dir: Path, kernels
         return model.forward(prepared.input_ids, prepared.positions, prepared.meta).float()
 
     fused = forward()
-    model.ops = TorchLayerOps(model.rope, model.args.rms_norm_eps)
+    model.ops = TorchLayerOps(model.args.rms_norm_eps)
     reference = forward()
     cosine = F.cosine_similarity(fused, reference, dim=-1)
     assert cosine.min() > 0.999, cosine

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.models.layer_ops import FusedLayerOps, TorchLayerOps
-from engine_core.models.rope import RotaryEmbedding
+from engine_core.models.layers.layer_ops import FusedLayerOps, TorchLayerOps
+from engine_core.models.layers.rotary import RotaryEmbedding
 from tests.kernel_helpers import ISAS, kernels_for
 
 
@@ -31,7 +31,7 @@ def test_fp32_add_rms_norm_matches_torch(isa: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp32_rotary_matches_torch_and_touches_only_queries_and_keys(isa: str, head_dim: int) -> None:
     kernels = kernels_for(isa)
     torch.manual_seed(head_dim)
@@ -40,12 +40,12 @@ def test_fp32_rotary_matches_torch_and_touches_only_queries_and_keys(isa: str, h
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
     positions = torch.randint(0, 2048, (tokens,))
     split = (heads + kv_heads) * head_dim
-    torch_ops, fused = TorchLayerOps(rope, 1e-5), FusedLayerOps(rope, 1e-5, kernels, torch.float32)
+    torch_ops, fused = TorchLayerOps(1e-5), FusedLayerOps(1e-5, kernels, torch.float32)
     torch_ops.begin_step(positions)
     fused.begin_step(positions)
-    want = torch_ops.rotate(qkv[:, :split].view(tokens, -1, head_dim))
+    want = torch_ops.rotate(qkv[:, :split].view(tokens, -1, head_dim), rope)
     rotated = qkv.clone()
-    fused.rotate(rotated[:, :split].view(tokens, -1, head_dim))  # a strided view, rotated in place
+    fused.rotate(rotated[:, :split].view(tokens, -1, head_dim), rope)  # a strided view, rotated in place
     torch.testing.assert_close(rotated[:, :split].view(tokens, -1, head_dim), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(rotated[:, split:], qkv[:, split:])  # values untouched
     with pytest.raises(RuntimeError, match="outside the rotary tables"):
@@ -79,7 +79,7 @@ def test_fp32_model_uses_the_fused_ops_and_keeps_the_greedy_tokens(smollm_dir: P
         return model.compute_logits(model.forward(prepared.input_ids, prepared.positions, prepared.meta))
 
     fused = logits()
-    model.ops = TorchLayerOps(model.rope, model.args.rms_norm_eps)
+    model.ops = TorchLayerOps(model.args.rms_norm_eps)
     reference = logits()
     torch.testing.assert_close(fused, reference, rtol=1e-3, atol=1e-3)
     assert torch.equal(fused.argmax(-1), reference.argmax(-1))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine_core.cpu.features import CpuFeatures, cpu_features
-from engine_core.models.linear import Linear, pack_blocks
+from engine_core.models.layers.linear import Linear, pack_blocks
 from tests.kernel_helpers import kernels_for
 
 
@@ -82,7 +82,7 @@ def test_an_amx_cpu_runs_the_engine_matmuls_on_onednn(smollm_dir: Path, kernels)
     from engine_core import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", num_blocks=16, max_num_seqs=2))
-    layers = [engine.model.lm_head, engine.model.layers[0].qkv, engine.model.layers[-1].down]
+    layers = [engine.model.lm_head, engine.model.layers[0].attn.qkv, engine.model.layers[-1].mlp.down]
     expected = "oneDNN packed" if cpu_features().amx_bf16 else "linear_bf16"
     assert [layer.path for layer in layers] == [expected] * 3
 
@@ -92,15 +92,15 @@ def test_the_bf16_engine_forward_with_the_kernel_matches_onednn(smollm_dir: Path
     from engine_core import EngineConfig, LLMEngine
     from tests.engine_helpers import random_prompts, scheduled_decode_step
 
-    monkeypatch.setattr("engine_core.models.llama.linear_kernels", lambda k: k)  # the kernel, AMX or not
+    monkeypatch.setattr("engine_core.models.decoder.linear_kernels", lambda k: k)  # the kernel, AMX or not
     engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", num_blocks=64, max_num_seqs=4))
     model = engine.model
-    assert model.layers[0].qkv.blocks is not None and model.lm_head.blocks is not None
+    assert model.layers[0].attn.qkv.blocks is not None and model.lm_head.blocks is not None
     prepared = scheduled_decode_step(engine, random_prompts(3, [20, 40], 49152, seed=11))
     hidden = model.forward(prepared.input_ids, prepared.positions, prepared.meta)
     logits = model.compute_logits(hidden).float()
-    for layer in [model.lm_head, *(getattr(lay, name) for lay in model.layers for name in ("qkv", "o", "gate_up",
-                                                                                           "down"))]:
+    linears = [linear for lay in model.layers for linear in (lay.attn.qkv, lay.attn.o, lay.mlp.gate_up, lay.mlp.down)]
+    for layer in [model.lm_head, *linears]:
         # back to oneDNN's packed weight, from the same bf16 values
         plain = layer.blocks.permute(0, 2, 1, 3).reshape(-1, layer.blocks.shape[1] * 2)[:layer.out_features]
         layer.blocks, layer.packed = None, torch.ops.mkldnn._reorder_linear_weight(plain.contiguous(), 1)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.loader import ModelLoadError, load_model_args, load_state_dict, resolve_model_dir
+from engine_core.loader import ModelLoadError, load_state_dict, resolve_model_dir
+from engine_core.models.registry import load_model_args
 
 
 def test_embedded_model_is_converted_once_into_the_cache(smollm_dir: Path) -> None:
@@ -32,7 +33,8 @@ def test_cache_location_follows_the_environment_variable(tmp_path: Path, smollm_
 
 def test_hub_id_without_network_names_the_id(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelLoadError, match=r"could not fetch model 'someorg/some-model-that-is-not-here'"):
+    with pytest.raises(ModelLoadError, match=r"model 'someorg/some-model-that-is-not-here' is not in the local "
+                                             r"Hugging Face cache .* `hf download someorg/some-model-that-is-not"):
         resolve_model_dir("someorg/some-model-that-is-not-here")
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine_core.loader import ModelArgs
+from engine_core.models.args import ModelArgs
 
 # the model's fused projections, in forward order, and the PEFT module names each one holds
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -27,8 +27,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
-GROUP_OF = {module: group for group, modules in GROUPS.items() for module in modules}
-SUPPORTED_MODULES = tuple(GROUP_OF)
+# Phi-3's checkpoints (and so its PEFT adapters) hold q|k|v and gate|up as one module each
+FUSED_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("qkv_proj",),
+    "o": ("o_proj",),
+    "gate_up": ("gate_up_proj",),
+    "down": ("down_proj",),
+}
+FUSED_ARCHITECTURES = {"Phi3ForCausalLM"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
                   r"(?:\.[\w-]+)?\.weight$")
 _uids = itertools.count(1)
@@ -38,12 +44,20 @@ class LoraError(ValueError):
     """An adapter that cannot be served on this base model; the message says why."""
 
 
+def groups(args: ModelArgs) -> dict[str, tuple[str, ...]]:
+    """The base model's adaptable groups: an MoE model's experts take no adapter, only its attention."""
+    chosen = FUSED_GROUPS if args.architecture in FUSED_ARCHITECTURES else GROUPS
+    return {g: m for g, m in chosen.items() if not args.num_experts or g in ("qkv", "o")}
+
+
 def module_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each adaptable module of the base model."""
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     h, i = args.hidden_size, args.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "qkv_proj": (h, q + 2 * kv),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "gate_up_proj": (h, 2 * i)}
+    adaptable = {m for modules in groups(args).values() for m in modules}
+    return {m: shape for m, shape in shapes.items() if m in adaptable}
 
 
 @dataclass(slots=True, eq=False)
@@ -121,11 +135,11 @@ def load_adapter(name: str, path: str | Path, args: ModelArgs, max_rank: int, dt
     for key, tensor in state.items():
         match = _KEY.match(key)
         if match is None:
-            raise LoraError(f"{file}: weight {key!r} is not a LoRA A/B of {', '.join(SUPPORTED_MODULES)}")
+            raise LoraError(f"{file}: weight {key!r} is not a LoRA A/B of {', '.join(shapes)}")
         layer, module, which = int(match.group(1)), match.group(2), match.group(3)
         if module not in shapes:
-            raise LoraError(f"{file}: target module {module!r} is not supported (supported: "
-                            f"{', '.join(SUPPORTED_MODULES)})")
+            raise LoraError(f"{file}: target module {module!r} is not supported on this base model (supported: "
+                            f"{', '.join(shapes)})")
         if layer >= args.num_layers:
             raise LoraError(f"{file}: {key!r} is for layer {layer}; the base model has {args.num_layers}")
         fan_in, fan_out = shapes[module]
@@ -141,7 +155,7 @@ def load_adapter(name: str, path: str | Path, args: ModelArgs, max_rank: int, dt
             raise LoraError(f"{file}: layer {layer} {module} has lora_{''.join(ab)} but not both A and B")
     adapter = LoraAdapter(name, str(directory), rank, scaling, tuple(sorted({m for _, m in pairs})))
     for layer in range(args.num_layers):
-        for group, modules in GROUPS.items():
+        for group, modules in groups(args).items():
             present = [m for m in modules if (layer, m) in pairs]
             if not present:
                 continue

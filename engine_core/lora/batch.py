@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_core.loader import ModelArgs
-from engine_core.lora.adapter import GROUPS, LoraAdapter, module_shapes
-from engine_core.models.linear import Linear
+from engine_core.lora.adapter import LoraAdapter, groups, module_shapes
+from engine_core.models.args import ModelArgs
+from engine_core.models.layers.linear import Linear
 
 Pair = tuple[Linear, Linear]  # shrink, expand
 # the compiled kernel: lora_delta_(out, x, a, b, slots, rank, bounds)
@@ -70,9 +70,10 @@ def build_stack(adapters: list[LoraAdapter], args: ModelArgs, for_kernel: bool
     """The concatenated weights of a set of adapters, and for each sub-module count the owner (position
     in `adapters`) of every rank column. An adapter that lacks a group another one has adds zeros."""
     shapes = module_shapes(args)
+    model_groups = groups(args)
     stack: Stack = {}
     for layer in range(args.num_layers):
-        for group, modules in GROUPS.items():
+        for group, modules in model_groups.items():
             entries = [ad.weights.get((layer, group)) for ad in adapters]
             if all(e is None for e in entries):
                 continue
@@ -99,7 +100,7 @@ def build_stack(adapters: list[LoraAdapter], args: ModelArgs, for_kernel: bool
             stack[(layer, group)] = entry
     device = next(iter(adapters[0].weights.values()))[0].device
     owners = {n: torch.cat([torch.full((n * ad.rank,), i, dtype=torch.long) for i, ad in enumerate(adapters)])
-              .to(device) for n in {len(m) for m in GROUPS.values()}}
+              .to(device) for n in {len(m) for m in model_groups.values()}}
     return stack, owners
 
 

@@ -13,9 +13,9 @@ from types import ModuleType
 
 import torch
 
-from engine_core.loader import ModelArgs
 from engine_core.lora.adapter import LoraAdapter, LoraError, load_adapter
 from engine_core.lora.batch import DeltaKernel, LoraBatch, Stack, build_stack
+from engine_core.models.args import ModelArgs
 
 STACK_CACHE_SIZE = 8
 

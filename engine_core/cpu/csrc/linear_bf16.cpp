@@ -6,7 +6,7 @@
 // once for all the rows of a decode step (up to 8 at a time), so a decode step streams the weights at about
 // the memory's bandwidth: a step's matmuls take 0.6x oneDNN's time (on its prepacked weight) at 1-2 rows
 // and 0.8x at 4-16 on two threads (benchmarks/linear_kernel.py); from 16 rows up two output blocks share
-// each broadcast, level with oneDNN at prefill sizes. The packing (`engine_core/models/linear.py`) pads N to 16 with zero rows; K must
+// each broadcast, level with oneDNN at prefill sizes. The packing (`engine_core/models/layers/linear.py`) pads N to 16 with zero rows; K must
 // be even.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

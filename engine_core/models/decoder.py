@@ -1,0 +1,104 @@
+"""The decoder-only forward every family shares, over the paged KV cache: embed, the layers, the final norm,
+the LM head. A family file supplies its layer (what runs between two residual adds) and its switches: the
+embedding scale, Gemma's (1 + w) norms, a final-logit soft-cap.
+
+A layer takes the residual stream h and its normed copy x, and returns both for the next layer, whose input
+norm it applies itself (`next_norm`): that norm and the residual add are one fused op on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine_core.attention import AttentionBackend, AttentionMetadata, TorchReferenceAttention
+from engine_core.cpu.kernels import cpu_kernels
+from engine_core.lora.batch import LoraBatch
+from engine_core.models.args import ModelArgs
+from engine_core.models.layers.layer_ops import FusedLayerOps, TorchLayerOps
+from engine_core.models.layers.linear import Linear, linear_kernels
+from engine_core.models.layers.rotary import RotaryEmbedding
+from engine_core.models.layers.weights import Weights
+
+
+class DecoderLayer(Protocol):
+    input_norm: torch.Tensor
+
+    def __call__(self, h: torch.Tensor, x: torch.Tensor, next_norm: torch.Tensor, ops: TorchLayerOps,
+                 attention: AttentionBackend, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object,
+                 lora: LoraBatch | None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class DecoderModel:
+    gemma_norms = False  # RMSNorm weights as (1 + w), in fp32
+    scale_embeddings = False  # h0 = E[ids] * sqrt(hidden), the scale rounded to the weights' dtype
+
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                 max_positions: int, attention: AttentionBackend | None = None,
+                 fused_ops: bool = True, device: torch.device | str = "cpu") -> None:
+        self.args = args
+        self.dtype = dtype
+        self.device = device = torch.device(device)
+        self.max_positions = max_positions
+        self.kv_size = args.num_kv_heads * args.head_dim
+        kernels = cpu_kernels() if fused_ops and device.type == "cpu" else None
+        weights = Weights(state, dtype, device, linear_kernels(kernels))
+        self.embed = weights.take("model.embed_tokens.weight")
+        self.embed_scale = torch.tensor(args.hidden_size ** 0.5, dtype=dtype) if self.scale_embeddings else None
+        self.norm = weights.norm("model.norm.weight", self.gemma_norms)
+        lm_head = weights.maybe("lm_head.weight")
+        tied = args.tie_word_embeddings or lm_head is None
+        self.lm_head = Linear(self.embed if tied else lm_head, kernels=weights.kernels)
+        self.layers: list[DecoderLayer] = [self.build_layer(weights, f"model.layers.{i}.", i)
+                                           for i in range(args.num_layers)]
+        weights.finish()
+        self.ops = (FusedLayerOps(args.rms_norm_eps, kernels, dtype)
+                    if FusedLayerOps.supports(kernels, dtype, args.hidden_size, args.head_dim, args.intermediate_size)
+                    else TorchLayerOps(args.rms_norm_eps))
+        # the norm that follows each layer: the next layer's input norm, the final norm after the last
+        self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        self.attention: AttentionBackend = attention or TorchReferenceAttention()
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+
+    def build_layer(self, weights: Weights, prefix: str, index: int) -> DecoderLayer:
+        raise NotImplementedError
+
+    def rope(self, theta: float | None = None, scaling: dict | None = None) -> RotaryEmbedding:
+        """A rotary table for this model's heads (the model's base and scaling unless given)."""
+        args = self.args
+        return RotaryEmbedding(args.head_dim, self.max_positions, theta or args.rope_theta,
+                               args.rope_scaling if theta is None else scaling, self.dtype, self.device,
+                               rotary_dim=args.rotary_dim)
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        return 2 * self.args.num_layers * block_size * self.kv_size * torch.finfo(self.dtype).bits // 8
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        shape = (num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token; `lora` adds each row's adapter delta."""
+        ops = self.ops
+        ops.begin_step(positions)
+        plan = self.attention.plan(meta, block_size=self.k_caches[0].shape[1])  # per step, not per layer
+        h = F.embedding(input_ids, self.embed)  # the residual stream
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        x = ops.norm(h, self.layers[0].input_norm)
+        for layer, k_cache, v_cache, next_norm in zip(self.layers, self.k_caches, self.v_caches, self._next_norms):
+            h, x = layer(h, x, next_norm, ops, self.attention, k_cache, v_cache, plan, lora)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """In the model's dtype: the sampler widens them only when it needs more than the argmax."""
+        logits = self.lm_head(hidden)
+        cap = self.args.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
