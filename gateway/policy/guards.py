@@ -122,9 +122,11 @@ class ClientLimitsMiddleware:
                 return {"type": "http.disconnect"}
             # whichever comes first: the client's own message, or our verdict that it stopped reading
             waits = [asyncio.ensure_future(receive()), asyncio.ensure_future(stalled.wait())]
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for task in waits:
-                task.cancel()
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when the app cancels its listener after the response: no task left pending
+                for task in waits:
+                    task.cancel()
             return waits[0].result() if waits[0] in done else {"type": "http.disconnect"}
 
         async def send_in_time(message: dict[str, Any]) -> None:
