@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from typing import ClassVar, Literal
 
@@ -27,6 +28,11 @@ from engine_core import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, R
 from engine_core import TokenLogprob as EngineLogprob
 from engine_core.lora import LoraError, LoraInUseError
 from engine_core.startup import StartupProgress
+
+# in-process engines are built one at a time: transformers' lazy imports are not thread-safe (two threads
+# loading tokenizers at once can get "cannot import name 'AutoTokenizer'"), and two loads would only share
+# the cores anyway
+_BUILD_LOCK = threading.Lock()
 
 
 class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -93,7 +99,11 @@ class EngineBackend:
 
     async def start(self) -> None:
         config = self.settings.engine_config()
-        engine = AsyncEngine(lambda: LLMEngine(config, self.progress))  # built in its step thread
+        def build() -> LLMEngine:  # in its step thread
+            with _BUILD_LOCK:
+                return LLMEngine(config, self.progress)
+
+        engine = AsyncEngine(build)
         try:
             await engine.ready()
         except asyncio.CancelledError:  # the gateway stopped or reloaded while loading: no thread left behind
