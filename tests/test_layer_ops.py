@@ -71,6 +71,33 @@ def test_fused_silu_and_mul_matches_torch(kernels, rows: int) -> None:  # type: 
     torch.testing.assert_close(got, theirs, rtol=2 ** -6, atol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 9, 200])
+def test_fused_gelu_tanh_and_mul_matches_torch(kernels, rows: int) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 2048, dtype=torch.bfloat16) * 4
+    gate_up[0, :6] = torch.tensor([-200.0, -90.0, -13.0, 13.0, 90.0, 200.0])  # past the exp's range either way
+    gate, up = gate_up.chunk(2, dim=-1)
+    g = gate.double()  # x·sigmoid(2u) = 0.5·x·(1 + tanh(u)), without tanh's cancellation for very negative x
+    exact = g * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3)) * up.double()
+    got, theirs = kernels.gelu_tanh_and_mul(gate_up).double(), (F.gelu(gate, approximate="tanh") * up).double()
+    assert ((got - exact).abs() <= (theirs - exact).abs() + 2 ** -8 * exact.abs() + 1e-30).all()
+    torch.testing.assert_close(got, theirs, rtol=2 ** -6, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 300])
+def test_fused_norm_with_gemmas_fp32_weight_computes_the_product_in_fp32(kernels, rows: int) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(rows)
+    h = torch.randn(rows, 640, dtype=torch.bfloat16) * 3
+    delta = torch.randn_like(h)
+    weight = 1 + torch.randn(640) * 0.3  # (1 + w), kept in fp32
+    fused_h = h.clone()
+    got = kernels.rms_norm(fused_h, delta, weight, 1e-6)
+    assert torch.equal(fused_h, h + delta)
+    want = TorchLayerOps(1e-6).norm(h + delta, weight)  # transformers' Gemma RMSNorm: fp32 throughout, one cast
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)
+    assert (got != want).float().mean() < 1e-3
+
+
 def test_bf16_forward_with_fused_ops_matches_torch_ops(smollm_dir: Path, kernels) -> None:  # type: ignore[no-untyped-def]
     from engine_core import EngineConfig, LLMEngine
     from tests.engine_helpers import random_prompts, scheduled_decode_step

@@ -55,13 +55,17 @@ def test_fp32_rotary_matches_torch_and_touches_only_queries_and_keys(isa: str, h
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 9, 200])
-def test_fp32_silu_and_mul_matches_torch(isa: str, rows: int) -> None:
+def test_fp32_silu_and_gelu_tanh_and_mul_match_torch(isa: str, rows: int) -> None:
     kernels = kernels_for(isa)
     torch.manual_seed(rows)
     gate_up = torch.randn(rows, 2 * 1536) * 4
-    gate_up[0, :8] = torch.tensor([-200.0, -90.0, -30.0, 0.0, 30.0, 90.0, 200.0, 1e-8])  # the exp's clamps
+    gate_up[0, :9] = torch.tensor([-200.0, -90.0, -30.0, -13.0, 0.0, 30.0, 90.0, 200.0, 1e-8])  # the exp's clamps
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_and_mul_f32(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    g = gate.double()  # x·sigmoid(2u) = 0.5·x·(1 + tanh(u)), without tanh's cancellation for very negative x
+    gelu = g * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3))
+    torch.testing.assert_close(kernels.gelu_tanh_and_mul_f32(gate_up).double(), gelu * up.double(),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_fp32_model_uses_the_fused_ops_and_keeps_the_greedy_tokens(smollm_dir: Path) -> None:

@@ -9,12 +9,14 @@ torch::Tensor rms_norm_f32(torch::Tensor residual, c10::optional<torch::Tensor> 
                            double eps);
 void rotary_f32_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul_f32(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_and_mul_f32(torch::Tensor gate_up);
 void lora_delta_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
                  int64_t rank, std::vector<int64_t> bounds);
 #if defined(__AVX512BF16__)
 torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                           c10::optional<torch::Tensor> bias);
 #endif
@@ -47,12 +49,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_f32_", &rotary_f32_, "rotary embeddings in place, rotate-half layout (fp32)", release());
   m.def("silu_and_mul_f32", &silu_and_mul_f32, "silu(gate) * up over a fused [T, 2I] projection (fp32)",
         release());
+  m.def("gelu_tanh_and_mul_f32", &gelu_tanh_and_mul_f32,
+        "gelu_tanh(gate) * up over a fused [T, 2I] projection (fp32)", release());
   m.def("lora_delta_", &lora_delta_, "each row's LoRA adapter delta added to a projection in place (fp32, bf16)",
         release());
 #if defined(__AVX512BF16__)
   m.def("rms_norm", &rms_norm, "RMSNorm, with an optional residual add in place (bf16)", release());
   m.def("rotary_", &rotary_, "rotary embeddings in place, rotate-half layout (bf16)", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [T, 2I] projection (bf16)", release());
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up over a fused [T, 2I] projection (bf16)",
+        release());
   m.def("linear_bf16", &linear_bf16, "x · Wᵀ (+ bias) over a weight packed in blocks of 16 columns (bf16)",
         release());
 #endif

@@ -20,11 +20,13 @@ void check_bf16(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 // y = residual / rms(residual) * weight, row by row, for a contiguous [T, H] residual with H % 16 == 0.
-// With delta, first residual += delta in place, rounded to bf16 as `h = h + delta` rounds.
+// With delta, first residual += delta in place, rounded to bf16 as `h = h + delta` rounds. The weight is bf16,
+// or fp32 for Gemma's (1 + w), whose product transformers computes in fp32 before its one cast: so does this.
 torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                        double eps) {
   check_bf16(residual, "residual");
-  check_bf16(weight, "weight");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
+              "weight must be bf16 or fp32");
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.size(1) % 16 == 0,
               "residual must be contiguous [T, H] with H a multiple of 16");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1), "weight must be [H]");
@@ -38,7 +40,9 @@ torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delt
   const int64_t hidden = residual.size(1);
   at::BFloat16* r = residual.data_ptr<at::BFloat16>();
   const at::BFloat16* d = added.defined() ? added.data_ptr<at::BFloat16>() : nullptr;
-  const at::BFloat16* w = weight.data_ptr<at::BFloat16>();
+  const bool w32 = weight.scalar_type() == at::kFloat;
+  const at::BFloat16* w = w32 ? nullptr : weight.data_ptr<at::BFloat16>();
+  const float* wf = w32 ? weight.data_ptr<float>() : nullptr;
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, residual.size(0), 8, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -56,7 +60,8 @@ torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delt
                                         static_cast<float>(eps));
       const __m512 scale = _mm512_set1_ps(inv);
       for (int64_t i = 0; i < hidden; i += 16)
-        store16(o + row * hidden + i, _mm512_mul_ps(_mm512_mul_ps(load16(rr + i), scale), load16(w + i)));
+        store16(o + row * hidden + i,
+                _mm512_mul_ps(_mm512_mul_ps(load16(rr + i), scale), w32 ? load16(wf + i) : load16(w + i)));
     }
   });
   return out;
@@ -99,9 +104,10 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
     }
   });
 }
-// silu(gate) · up for the fused gate|up projection [T, 2I] → [T, I]; one rounding instead of torch's
-// three (silu, then the product), and one pass instead of two over a non-contiguous half.
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+// act(gate) · up for the fused gate|up projection [T, 2I] → [T, I]; one rounding instead of torch's
+// three (the activation, then the product), and one pass instead of two over a non-contiguous half.
+template <typename Activation>
+torch::Tensor gated(const torch::Tensor& gate_up, Activation act) {
   check_bf16(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 32 == 0,
               "gate_up must be contiguous [T, 2I] with I a multiple of 16");
@@ -109,17 +115,31 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
   const at::BFloat16* in = gate_up.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  const __m512 one = _mm512_set1_ps(1.f);
   at::parallel_for(0, gate_up.size(0), 4, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const at::BFloat16* gate = in + row * 2 * width;
-      for (int64_t i = 0; i < width; i += 16) {
-        const __m512 g = load16(gate + i);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        store16(o + row * width + i, _mm512_mul_ps(silu, load16(gate + width + i)));
-      }
+      for (int64_t i = 0; i < width; i += 16)
+        store16(o + row * width + i, _mm512_mul_ps(act(load16(gate + i)), load16(gate + width + i)));
     }
   });
   return out;
+}
+
+// x · sigmoid(k·x): silu with k = 1; tanh-GELU with k·x = 2·sqrt(2/π)·(x + 0.044715·x³), since
+// 0.5·(1 + tanh(u)) = sigmoid(2u)
+inline __m512 x_sigmoid(__m512 x, __m512 kx) {
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), kx))));
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  return gated(gate_up, [](__m512 g) { return x_sigmoid(g, g); });
+}
+
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  return gated(gate_up, [](__m512 g) {
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 u = _mm512_fmadd_ps(cube, _mm512_set1_ps(0.044715f), g);
+    return x_sigmoid(g, _mm512_mul_ps(u, _mm512_set1_ps(1.5957691216057308f)));  // 2·sqrt(2/π)
+  });
 }
 #endif

@@ -112,8 +112,9 @@ void rotary_f32_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, to
   });
 }
 
-// silu(gate) · up for the fused gate|up projection [T, 2I] → [T, I], in one pass.
-torch::Tensor silu_and_mul_f32(torch::Tensor gate_up) {
+// act(gate) · up for the fused gate|up projection [T, 2I] → [T, I], in one pass.
+template <typename Activation>
+torch::Tensor gated_f32(const torch::Tensor& gate_up, Activation act) {
   check_f32(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous [T, 2I]");
@@ -126,8 +127,19 @@ torch::Tensor silu_and_mul_f32(torch::Tensor gate_up) {
       const float* gate = in + row * 2 * width;
       const float* up = gate + width;
       float* y = o + row * width;
-      for (int64_t i = 0; i < width; ++i) y[i] = gate[i] / (1.f + exp_approx(-gate[i])) * up[i];
+      for (int64_t i = 0; i < width; ++i) y[i] = act(gate[i]) * up[i];
     }
   });
   return out;
+}
+
+torch::Tensor silu_and_mul_f32(torch::Tensor gate_up) {
+  return gated_f32(gate_up, [](float g) { return g / (1.f + exp_approx(-g)); });
+}
+
+// tanh-GELU as x · sigmoid(2u), u = sqrt(2/π)·(x + 0.044715·x³): 0.5·(1 + tanh(u)) = sigmoid(2u)
+torch::Tensor gelu_tanh_and_mul_f32(torch::Tensor gate_up) {
+  return gated_f32(gate_up, [](float g) {
+    return g / (1.f + exp_approx(-1.5957691216057308f * (g + 0.044715f * g * g * g)));
+  });
 }

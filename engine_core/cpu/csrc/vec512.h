@@ -16,9 +16,10 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 
 // e^x for 16 floats: 2^n · P(r) with n = round(x·log2 e), r = x − n·ln 2 (Cephes' expf polynomial);
-// relative error ~1e-7, and no call into libm per element.
+// relative error ~1e-7, and no call into libm per element. Clamped to [-87.3, 88.3] as exp_approx is: past
+// that, n overflows the scale and the result is NaN (a silu or GELU gate below -88 would be).
 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);

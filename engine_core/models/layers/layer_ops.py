@@ -59,13 +59,14 @@ class TorchLayerOps:
 
 
 class FusedLayerOps(TorchLayerOps):
-    # the kernels' names per dtype: (rms_norm, rotary in place, silu_and_mul)
-    KERNELS = {torch.bfloat16: ("rms_norm", "rotary_", "silu_and_mul"),
-               torch.float32: ("rms_norm_f32", "rotary_f32_", "silu_and_mul_f32")}
+    # the kernels' names per dtype: (rms_norm, rotary in place, silu_and_mul, gelu_tanh_and_mul)
+    KERNELS = {torch.bfloat16: ("rms_norm", "rotary_", "silu_and_mul", "gelu_tanh_and_mul"),
+               torch.float32: ("rms_norm_f32", "rotary_f32_", "silu_and_mul_f32", "gelu_tanh_and_mul_f32")}
 
     def __init__(self, eps: float, kernels: ModuleType, dtype: torch.dtype) -> None:
         super().__init__(eps)
-        self._rms_norm, self._rotary, self._silu_and_mul = (getattr(kernels, n) for n in self.KERNELS[dtype])
+        self._rms_norm, self._rotary, self._silu_and_mul, self._gelu_tanh_and_mul = (
+            getattr(kernels, n) for n in self.KERNELS[dtype])
 
     @classmethod
     def supports(cls, kernels: ModuleType | None, dtype: torch.dtype, hidden_size: int, head_dim: int,
@@ -76,14 +77,11 @@ class FusedLayerOps(TorchLayerOps):
         # the bf16 kernels work in vectors of 16 (and rotary in halves of a head); the fp32 ones in any width
         return dtype != torch.bfloat16 or (hidden_size % 16 == 0 and head_dim % 32 == 0 and intermediate_size % 16 == 0)
 
+    # the bf16 kernel takes Gemma's fp32 weights too, and computes their product in fp32 as transformers does
     def norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if weight.dtype != h.dtype:
-            return super().norm(h, weight)
         return self._rms_norm(h.contiguous(), None, weight, self.eps)  # q/k-norm passes strided head views
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if weight.dtype != h.dtype:
-            return super().add_norm(h, delta, weight)
         return h, self._rms_norm(h, delta, weight, self.eps)  # h += delta in place
 
     def rotate(self, qk: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
@@ -94,3 +92,6 @@ class FusedLayerOps(TorchLayerOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._gelu_tanh_and_mul(gate_up)
