@@ -10,7 +10,6 @@ slice of the fused output). A group the adapter does not target is None and cost
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine_core.models.args import ModelArgs
+from engine_core.models.args import ModelArgs, read_json_object
 
 # the model's fused projections, in forward order, and the PEFT module names each one holds
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -79,15 +78,7 @@ def _config(directory: Path) -> dict:
     file = directory / "adapter_config.json"
     if not directory.is_dir():
         raise LoraError(f"{directory}: no such directory")
-    try:
-        cfg = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise LoraError(f"{file}: missing (a PEFT adapter directory has adapter_config.json)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise LoraError(f"{file}: not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise LoraError(f"{file}: expected a JSON object")
-    return cfg
+    return read_json_object(file, LoraError, "a PEFT adapter directory has adapter_config.json")
 
 
 def _check_config(cfg: dict, where: Path, max_rank: int) -> tuple[int, float]:

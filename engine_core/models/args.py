@@ -56,17 +56,22 @@ class ModelArgs:
         return int(self.head_dim * self.partial_rotary_factor)
 
 
-def read_config(model_dir: Path) -> dict[str, Any]:
-    config_file = model_dir / "config.json"
+def read_json_object(file: Path, error: type[Exception], missing: str) -> dict[str, Any]:
+    """A JSON file holding an object, or `error` naming the file and what is wrong (`missing`: why it should
+    be there)."""
     try:
-        cfg = json.loads(config_file.read_text())
+        obj = json.loads(file.read_text())
     except FileNotFoundError:
-        raise ModelLoadError(f"{config_file}: missing (not a Hugging Face model directory)") from None
+        raise error(f"{file}: missing ({missing})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{config_file}: not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise ModelLoadError(f"{config_file}: not a JSON object")
-    return cfg
+        raise error(f"{file}: not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise error(f"{file}: not a JSON object")
+    return obj
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    return read_json_object(model_dir / "config.json", ModelLoadError, "not a Hugging Face model directory")
 
 
 def rope_settings(cfg: dict[str, Any], key: str | None = None) -> tuple[float | None, dict[str, Any] | None]:
