@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_core.sampling.params import SamplingParams
-from engine_core.text.stop_strings import StopStringBuffer
+from engine_core.text.stop_strings import Released, StopStringBuffer
 
 ALPHABET = st.sampled_from("ab c\né")  # few letters: stop strings occur often
 pieces = st.lists(st.text(ALPHABET, max_size=4), max_size=30)
@@ -30,14 +30,24 @@ def test_holdback_releases_exactly_the_text_before_the_first_stop_string(pieces:
             matched = result.stop_string
             break
     whole = "".join(pieces)
-    first = min(((whole.find(s), s) for s in stop if s in whole), default=None)
-    if first is None:
+    # generation stops at the first piece after which a stop string has appeared (as vLLM checks the text as it
+    # grows): a longer stop string that would have started earlier but is not complete yet does not count
+    seen = next(("".join(pieces[:k]) for k in range(len(pieces) + 1) if any(s in "".join(pieces[:k]) for s in stop)),
+                None)
+    if seen is None:
         assert matched is None
         assert released + buffer.flush() == whole  # held back text comes out at the end
     else:
-        index, _ = first
+        index = min(seen.find(s) for s in stop if s in seen)
         assert matched is not None and released == whole[:index]
         assert whole[index:].startswith(matched)
+
+
+def test_a_stop_string_stops_the_text_once_complete_even_if_a_longer_one_began_earlier() -> None:
+    # "ac " starts before "c" but "c" completes first: the stream ends there, as vLLM's would
+    buffer = StopStringBuffer(stop=["c", "ac "])
+    assert buffer.push("a") == Released("")  # held back: it may begin "ac "
+    assert buffer.push("c") == Released("a", "c")
 
 
 VALID = {"temperature": 0.7, "top_k": 10, "top_p": 0.9, "min_p": 0.0, "typical_p": 1.0, "repetition_penalty": 1.1,
