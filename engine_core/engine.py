@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
@@ -19,12 +20,7 @@ from engine_core.cpu.features import cpu_features
 from engine_core.cpu.kernels import cpu_kernels, kernel_build
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.loader import (
-    EMBEDDED,
-    EMBEDDED_NAME,
-    cache_root,
-    embedded_is_converted,
-    gguf_cache_dir,
-    gguf_to_convert,
+    conversion_due,
     load_state_dict,
     load_tokenizer,
     resolve_model_dir,
@@ -88,13 +84,8 @@ class LLMEngine:
         dtype, self.dtype_reason = config.dtype_choice()
         log.info("engine: dtype %s (%s) on %s; CPU %s", str(dtype).removeprefix("torch."), self.dtype_reason,
                  self.device, cpu_features().describe())
-        if config.model == EMBEDDED and not embedded_is_converted():
-            with progress.step(f"converting the embedded {EMBEDDED_NAME} into {cache_root()} (once)"):
-                self.model_dir = resolve_model_dir(config.model)
-        elif (gguf := gguf_to_convert(config.model)) is not None:
-            with progress.step(f"converting {gguf} into {gguf_cache_dir(gguf)} (once)"):
-                self.model_dir = resolve_model_dir(config.model)
-        else:
+        due = conversion_due(config.model)
+        with progress.step(f"converting {due} (once)") if due else contextlib.nullcontext():
             self.model_dir = resolve_model_dir(config.model)
         self.model_args = load_model_args(self.model_dir)
         with progress.step("loading the tokenizer"):

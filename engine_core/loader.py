@@ -105,16 +105,17 @@ def is_converted(model_dir: Path) -> bool:
     return (model_dir / "config.json").is_file()
 
 
-def embedded_is_converted() -> bool:
-    return is_converted(cache_root() / EMBEDDED_NAME)
-
-
-def gguf_to_convert(source: str) -> Path | None:
-    """The .gguf file `source` names when it is not converted yet (its first start converts it), else None."""
+def conversion_due(source: str) -> str | None:
+    """What `resolve_model_dir(source)` converts first, in words with where to ("the embedded ... into ..."),
+    or None when the source is a directory or already converted (a start names this step while it runs)."""
+    if source == EMBEDDED:
+        dest = cache_root() / EMBEDDED_NAME
+        return None if is_converted(dest) else f"the embedded {EMBEDDED_NAME} into {cache_root()}"
     path = Path(source).expanduser()
-    if source == EMBEDDED or not path.is_file() or path.suffix.lower() != ".gguf":
+    if not path.is_file() or path.suffix.lower() != ".gguf":
         return None
-    return None if is_converted(gguf_cache_dir(path)) else path
+    dest = gguf_cache_dir(path)
+    return None if is_converted(dest) else f"{path} into {dest}"
 
 
 def resolve_model_dir(source: str) -> Path:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine_core.models.layers.rotary import scaling_type
+
 
 class ModelLoadError(Exception):
     """A model could not be found, fetched or understood; the message names what and where."""
@@ -83,7 +85,7 @@ def rope_settings(cfg: dict[str, Any], key: str | None = None) -> tuple[float | 
     scaling = cfg.get("rope_scaling") if key in (None, "full_attention") else None
     if not scaling and params.get("rope_type", "default") != "default":
         scaling = params
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
+    if scaling and scaling_type(scaling) == "default":
         scaling = None
     theta = params.get("rope_theta") if "rope_theta" in params else cfg.get("rope_theta")
     return (None if theta is None else float(theta)), scaling
@@ -122,9 +124,15 @@ def refuse(config: str, what: str) -> ModelLoadError:
 
 
 def check_rope_scaling(scaling: dict[str, Any] | None, where: str, allowed: tuple[str, ...]) -> None:
-    kind = str((scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default")
+    kind = scaling_type(scaling)
     if kind not in allowed:
         raise refuse(where, f"rope_scaling type {kind!r} (this family takes {', '.join(allowed)})")
+
+
+def uniform_windows(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """`sliding_window` on every layer where the config sets one (Mistral, Phi-3), else no windows."""
+    window = int(cfg.get("sliding_window") or 0)
+    return (window,) * int(cfg["num_hidden_layers"]) if window else ()
 
 
 def windows_from_layer_types(cfg: dict[str, Any], where: str) -> tuple[int, ...] | None:

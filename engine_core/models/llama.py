@@ -12,7 +12,7 @@ import torch
 
 from engine_core.attention import AttentionBackend
 from engine_core.lora.batch import LoraBatch
-from engine_core.models.args import ModelArgs, check_rope_scaling, common_args
+from engine_core.models.args import ModelArgs, check_rope_scaling, common_args, uniform_windows
 from engine_core.models.decoder import DecoderModel
 from engine_core.models.layers.attention import SelfAttention
 from engine_core.models.layers.layer_ops import TorchLayerOps
@@ -48,7 +48,6 @@ Model = LlamaModel
 
 
 def args_from_hf(cfg: dict[str, Any], where: str) -> ModelArgs:
-    args = common_args(cfg, cfg["architectures"][0])
+    args = common_args(cfg, cfg["architectures"][0], layer_windows=uniform_windows(cfg))  # Mistral: all slide
     check_rope_scaling(args.rope_scaling, where, ("default", "linear", "dynamic", "llama3"))
-    window = int(cfg.get("sliding_window") or 0)  # Mistral: every layer slides
-    return common_args(cfg, args.architecture, layer_windows=(window,) * args.num_layers if window else ())
+    return args

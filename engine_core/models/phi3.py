@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_core.models.args import ModelArgs, check_rope_scaling, common_args, rope_settings
+from engine_core.models.args import ModelArgs, check_rope_scaling, common_args, rope_settings, uniform_windows
 from engine_core.models.llama import LlamaModel
 
 
@@ -19,10 +19,8 @@ def args_from_hf(cfg: dict[str, Any], where: str) -> ModelArgs:
     check_rope_scaling(scaling, where, ("default", "longrope"))
     params = cfg.get("rope_parameters") or {}
     factor = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
-    layers = int(cfg["num_hidden_layers"])
-    window = int(cfg.get("sliding_window") or 0)
     return common_args(cfg, cfg["architectures"][0], rope_scaling=scaling, partial_rotary_factor=factor,
-                       layer_windows=(window,) * layers if window else ())
+                       layer_windows=uniform_windows(cfg))
 
 
 Model = LlamaModel
