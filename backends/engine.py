@@ -39,6 +39,8 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     type: str = "engine"
     model: str = "embedded"  # "embedded", a local HF directory, or a hub id
     dtype: str = "auto"  # bf16 on CUDA and CPUs with native bf16 (AVX512-BF16, AMX), else float32
+    # "auto": as stored (a .gguf keeps its block formats); "none": all in the dtype; "int8" / "int4" at load
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     kv_cache_mb: int = 512
     block_size: int = 16
     max_num_seqs: int = 64
@@ -77,7 +79,8 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         return served + (f"; {self.replicas} worker processes, balance {self.balance}" if self.replicas > 1 else "")
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
+        return EngineConfig(model=self.model, dtype=self.dtype, quantization=self.quantization,
+                            block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_mb * 1024**2, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             enable_prefix_caching=self.enable_prefix_caching, num_threads=self.num_threads,

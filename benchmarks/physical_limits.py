@@ -8,6 +8,10 @@ FLOPs at the measured matmul rate (what big batches are bound by), next to the e
 - the engine's decode step at the same batch (benchmarks/profile_step.py's forward + logits).
 
     .venv/bin/python benchmarks/physical_limits.py --batch 1 16 32 --dtype bfloat16 float32
+    .venv/bin/python benchmarks/physical_limits.py --batch 1 16 --dtype bfloat16 --quantization none auto int8 int4
+
+With --quantization, the bytes a step streams are those of the layers as loaded (codes, scales and mins of the
+quantized ones, the LM head and the embedding table counted once when tied).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from benchmarks.engine_vs_vllm import describe_cpu  # noqa: E402
 from benchmarks.profile_step import decode_steps  # noqa: E402
 from engine_core import EngineConfig, LLMEngine  # noqa: E402
 from engine_core.loader import resolve_model_dir  # noqa: E402
-from engine_core.models.layers.linear import Linear  # noqa: E402
+from engine_core.models.layers.linear import Linear, QuantLinear  # noqa: E402
 
 
 def read_bandwidth(gib: float = 1.0, passes: int = 5) -> float:
@@ -46,6 +50,29 @@ def projection_shapes(engine: LLMEngine) -> list[tuple[int, int]]:
     per_layer = [(a.hidden_size, q + 2 * kv), (q, a.hidden_size), (a.hidden_size, 2 * a.intermediate_size),
                  (a.intermediate_size, a.hidden_size)]
     return per_layer * a.num_layers + [(a.hidden_size, a.vocab_size)]
+
+
+def layer_bytes(model: object) -> int:
+    """The bytes of every matmul weight of a decode step as loaded (quantized or not), found by walking the model's
+    layers (families name their projections differently)."""
+    seen: set[int] = set()
+
+    def walk(obj: object, depth: int = 0) -> int:
+        if id(obj) in seen or depth > 4:
+            return 0
+        seen.add(id(obj))
+        if isinstance(obj, QuantLinear):
+            return obj.nbytes
+        if isinstance(obj, Linear):
+            weight = next(t for t in (obj.blocks, obj.packed, obj.weight) if t is not None)
+            return weight.numel() * weight.element_size()
+        if isinstance(obj, (list, tuple)):
+            return sum(walk(item, depth + 1) for item in obj)
+        if hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+            return sum(walk(value, depth + 1) for value in vars(obj).values()) if hasattr(obj, "__dict__") else 0
+        return 0
+
+    return sum(walk(layer) for layer in model.layers) + walk(model.lm_head)  # type: ignore[attr-defined]
 
 
 def peak_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
@@ -77,7 +104,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--quantization", nargs="+", default=None,
+                        help="engine quantizations to measure (auto, none, int8, int4); the model's bytes as loaded")
     args = parser.parse_args()
+    if args.quantization:
+        quantized_steps(args)
+        return
     print(describe_cpu(), f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     bandwidth = read_bandwidth()
     print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
@@ -103,6 +135,30 @@ def main() -> None:
                   f"max(stream, compute) {bound:.1f} ms; the step's matmuls alone {shapes_ms:.1f} ms; "
                   f"engine step (forward + logits) {step:.1f} ms = {step / bound:.2f}x the bound", flush=True)
         del engine
+
+
+def quantized_steps(args: argparse.Namespace) -> None:
+    """Each quantization's batch-1 (and larger) step against the time to stream its bytes once."""
+    print(describe_cpu(), f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    bandwidth = read_bandwidth()
+    print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    for name in args.dtype:
+        for quantization in args.quantization:
+            engine = LLMEngine(EngineConfig(model="embedded", dtype=name, quantization=quantization,
+                                            max_num_seqs=max(args.batch), kv_cache_bytes=512 * 2**20))
+            nbytes = layer_bytes(engine.model)
+            stream_ms = 1000 * nbytes / bandwidth
+            paths = ", ".join(f"{n} {path}" for path, n in engine.model.linear_paths.items())
+            print(f"{name} / {quantization}: {nbytes / 2**20:.0f} MiB of matmul weights ({paths}), streamed once "
+                  f"in {stream_ms:.1f} ms", flush=True)
+            for batch in args.batch:
+                phases = decode_steps(engine, batch, args.steps, prompt_len=100)
+                step = phases["forward"] + phases["logits"]
+                print(f"  batch {batch:3d}: forward {phases['forward']:.1f} ms + logits {phases['logits']:.1f} ms "
+                      f"= {step:.1f} ms = {step / stream_ms:.2f}x the stream bound; sample {phases['sample']:.2f} ms"
+                      f", schedule+prepare+post {phases['schedule'] + phases['prepare'] + phases['post']:.2f} ms",
+                      flush=True)
+            del engine
 
 
 if __name__ == "__main__":

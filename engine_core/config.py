@@ -18,6 +18,10 @@ class EngineConfig:
     # "auto": bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else float32: on an AVX2-only CPU
     # torch's bf16 matmul is ~4x slower than fp32. Or force "float32", "bfloat16", "float16" (CUDA).
     dtype: str = "auto"
+    # "auto": a checkpoint as it is stored (a .gguf keeps its block formats where a kernel exists, others in
+    # the dtype); "none": every weight in the dtype; "int8" (per output channel) / "int4" (groups of 32, a
+    # scale and a min): each matmul's weight, the LM head and the embedding table quantized once at load
+    quantization: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024**2  # memory budget for the paged KV cache
     num_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)

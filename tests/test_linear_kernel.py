@@ -81,10 +81,13 @@ def test_an_amx_cpu_runs_the_engine_matmuls_on_onednn(smollm_dir: Path, kernels)
     """oneDNN's AMX GEMM beats linear_bf16 from 2 rows up there (BENCHMARKS.md): the engine packs for it."""
     from engine_core import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", num_blocks=16, max_num_seqs=2))
-    layers = [engine.model.lm_head, engine.model.layers[0].attn.qkv, engine.model.layers[-1].mlp.down]
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", quantization="none", num_blocks=16,
+                                    max_num_seqs=2))
+    layers = [engine.model.layers[0].attn.qkv, engine.model.layers[-1].mlp.down]
     expected = "oneDNN packed" if cpu_features().amx_bf16 else "linear_bf16"
-    assert [layer.path for layer in layers] == [expected] * 3
+    assert [layer.path for layer in layers] == [expected] * 2
+    # the LM head's fp32 logits: oneDNN has no bf16 matmul with an fp32 result in torch
+    assert engine.model.lm_head.path == "linear_bf16"
 
 
 def test_the_bf16_engine_forward_with_the_kernel_matches_onednn(smollm_dir: Path, kernels,  # type: ignore[no-untyped-def]
@@ -92,8 +95,9 @@ def test_the_bf16_engine_forward_with_the_kernel_matches_onednn(smollm_dir: Path
     from engine_core import EngineConfig, LLMEngine
     from tests.engine_helpers import random_prompts, scheduled_decode_step
 
-    monkeypatch.setattr("engine_core.models.decoder.linear_kernels", lambda k: k)  # the kernel, AMX or not
-    engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", num_blocks=64, max_num_seqs=4))
+    monkeypatch.setattr("engine_core.models.layers.weights.linear_kernels", lambda k: k)  # the kernel, AMX or not
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", quantization="none", num_blocks=64,
+                                    max_num_seqs=4))
     model = engine.model
     assert model.layers[0].attn.qkv.blocks is not None and model.lm_head.blocks is not None
     prepared = scheduled_decode_step(engine, random_prompts(3, [20, 40], 49152, seed=11))

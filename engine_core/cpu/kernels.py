@@ -2,11 +2,12 @@
 
 One extension module holds the paged decode attention, the grammar bitmask, the LoRA delta and the fused layer ops
 (RMSNorm with the residual add, rotary embeddings, silu * up: in fp32 for every CPU, in bf16 only where
-the CPU has AVX-512 BF16, as is the bf16 linear layer). torch's extension builder
-compiles it on first use for the CPU it runs on (-march from the CPU's ISA, or $LLMGW_KERNEL_MARCH)
-with OpenMP, so that torch's threads share the work, and caches it under ~/.cache/torch_extensions (or
-$TORCH_EXTENSIONS_DIR). A container image builds it ahead of time and installs it as a module; a build
-whose ISA this CPU lacks is not used. With no C++ compiler the engine keeps its torch reference paths.
+the CPU has AVX-512 BF16, as is the bf16 linear layer) and the linear layer over int8/int4 codes (every CPU).
+torch's extension builder compiles it on first use for the CPU it runs on (-march from the CPU's ISA, or
+$LLMGW_KERNEL_MARCH) with OpenMP, so that torch's threads share the work, and caches it under
+~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). A container image builds it ahead of time and installs
+it as a module; a build whose ISA this CPU lacks is not used. With no C++ compiler the engine keeps its torch
+reference paths.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ log = logging.getLogger("llmgw.engine")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in
            ("paged_decode.cpp", "layer_ops.cpp", "layer_ops_f32.cpp", "token_bitmask.cpp", "lora_delta.cpp",
-            "linear_bf16.cpp", "bindings.cpp")]
+            "linear_bf16.cpp", "linear_quant.cpp", "bindings.cpp")]
 # the target CPU: by default the ISA this CPU has; an image built on one machine for others sets e.g. x86-64-v3
 MARCH_ENV = "LLMGW_KERNEL_MARCH"
 # -march for each ISA level, named rather than "native": a capped ISA (LLMGW_CPU_ISA) builds what it says,
@@ -46,7 +47,7 @@ class KernelBuild:
     @property
     def kernels(self) -> list[str]:
         names = ("paged_decode", "apply_token_bitmask_", "rms_norm", "rotary_", "silu_and_mul", "rms_norm_f32",
-                 "rotary_f32_", "silu_and_mul_f32", "lora_delta_", "linear_bf16")
+                 "rotary_f32_", "silu_and_mul_f32", "lora_delta_", "linear_bf16", "linear_quant_")
         return sorted(n for n in names if hasattr(self.module, n))
 
     def describe(self) -> str:

@@ -18,7 +18,7 @@ from engine_core.cpu.kernels import cpu_kernels
 from engine_core.lora.batch import LoraBatch
 from engine_core.models.args import ModelArgs
 from engine_core.models.layers.layer_ops import FusedLayerOps, TorchLayerOps
-from engine_core.models.layers.linear import Linear, linear_kernels
+from engine_core.models.layers.quant import QuantizedTensor
 from engine_core.models.layers.rotary import RotaryEmbedding
 from engine_core.models.layers.weights import Weights
 
@@ -37,23 +37,25 @@ class DecoderModel:
 
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
                  max_positions: int, attention: AttentionBackend | None = None,
-                 fused_ops: bool = True, device: torch.device | str = "cpu") -> None:
+                 fused_ops: bool = True, device: torch.device | str = "cpu", quantization: str = "auto") -> None:
         self.args = args
         self.dtype = dtype
         self.device = device = torch.device(device)
         self.max_positions = max_positions
         self.kv_size = args.num_kv_heads * args.head_dim
         kernels = cpu_kernels() if fused_ops and device.type == "cpu" else None
-        weights = Weights(state, dtype, device, linear_kernels(kernels))
-        self.embed = weights.take("model.embed_tokens.weight")
+        weights = Weights(state, dtype, device, kernels, quantization)
+        # the table and a tied head are one tensor: quantized, a step reads it once, for the logits
+        self.embed = weights.take_matrix("model.embed_tokens.weight", vocab=True)
         self.embed_scale = torch.tensor(args.hidden_size ** 0.5, dtype=dtype) if self.scale_embeddings else None
         self.norm = weights.norm("model.norm.weight", self.gemma_norms)
-        lm_head = weights.maybe("lm_head.weight")
+        lm_head = weights.take_matrix("lm_head.weight", vocab=True) if weights.has("lm_head.weight") else None
         tied = args.tie_word_embeddings or lm_head is None
-        self.lm_head = Linear(self.embed if tied else lm_head, kernels=weights.kernels)
+        self.lm_head = weights.linear_of([self.embed if tied else lm_head], fp32_out=True)  # type: ignore[list-item]
         self.layers: list[DecoderLayer] = [self.build_layer(weights, f"model.layers.{i}.", i)
                                            for i in range(args.num_layers)]
         weights.finish()
+        self.linear_paths = dict(weights.layers)
         self.ops = (FusedLayerOps(args.rms_norm_eps, kernels, dtype)
                     if FusedLayerOps.supports(kernels, dtype, args.hidden_size, args.head_dim, args.intermediate_size)
                     else TorchLayerOps(args.rms_norm_eps))
@@ -88,7 +90,11 @@ class DecoderModel:
         ops = self.ops
         ops.begin_step(positions)
         plan = self.attention.plan(meta, block_size=self.k_caches[0].shape[1])  # per step, not per layer
-        h = F.embedding(input_ids, self.embed)  # the residual stream
+        # the residual stream
+        if isinstance(self.embed, QuantizedTensor):
+            h = self.embed.embedding(input_ids, self.dtype)
+        else:
+            h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         x = ops.norm(h, self.layers[0].input_norm)
@@ -98,7 +104,8 @@ class DecoderModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """In the model's dtype: the sampler widens them only when it needs more than the argmax."""
+        """In fp32 in every dtype: the LM head keeps its fp32 sums (bf16 would round logits near 16 to multiples
+        of 0.125, and greedy decoding would choose between false ties)."""
         logits = self.lm_head(hidden)
         cap = self.args.final_logit_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ def load_model_args(model_dir: Path) -> ModelArgs:
         raise ModelLoadError(f"{config_file}: missing or invalid field {exc}") from None
 
 
-def build_model(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
-                attention: AttentionBackend, device: torch.device) -> DecoderModel:
-    return family(args.architecture).Model(args, state, dtype, max_positions, attention, device=device)
+def build_model(args: ModelArgs, state: dict[str, Any], dtype: torch.dtype, max_positions: int,
+                attention: AttentionBackend, device: torch.device, quantization: str = "auto") -> DecoderModel:
+    return family(args.architecture).Model(args, state, dtype, max_positions, attention, device=device,
+                                           quantization=quantization)

@@ -1,5 +1,5 @@
 // One extension module for the CPU kernels: paged decode attention, the grammar bitmask, the LoRA delta and the
-// fp32 fused layer ops always, the bf16 fused layer ops and linear where the CPU has AVX-512 BF16 (Python checks for them by name).
+// fp32 fused layer ops and the quantized linear always, the bf16 fused layer ops and linear where the CPU has AVX-512 BF16 (Python checks for them by name).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
@@ -10,6 +10,11 @@ torch::Tensor rms_norm_f32(torch::Tensor residual, c10::optional<torch::Tensor> 
 void rotary_f32_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul_f32(torch::Tensor gate_up);
 torch::Tensor gelu_tanh_and_mul_f32(torch::Tensor gate_up);
+void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                   c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, c10::optional<torch::Tensor> bias,
+                   bool round_bf16);
+torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                               int64_t bits, int64_t group, int64_t k, at::ScalarType dtype);
 void lora_delta_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
                  int64_t rank, std::vector<int64_t> bounds);
 #if defined(__AVX512BF16__)
@@ -18,7 +23,7 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                          c10::optional<torch::Tensor> bias);
+                          c10::optional<torch::Tensor> bias, bool out_fp32);
 #endif
 
 // The widest vector path this build was compiled for; Python refuses a build its CPU cannot run.
@@ -51,6 +56,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("gelu_tanh_and_mul_f32", &gelu_tanh_and_mul_f32,
         "gelu_tanh(gate) * up over a fused [T, 2I] projection (fp32)", release());
+  m.def("linear_quant_", &linear_quant_,
+        "out[:, col0:col0+N] = x · Wᵀ (+ bias) over int8/int4 codes with a scale (and min) per group (fp32 sums)",
+        pybind11::arg("out"), pybind11::arg("col0"), pybind11::arg("x"), pybind11::arg("codes"),
+        pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bits"), pybind11::arg("group"),
+        pybind11::arg("bias"), pybind11::arg("round_bf16") = false, release());
+  m.def("dequantize_quant", &dequantize_quant, "a quantized weight dequantized to [N, K] fp32 or bf16", release());
   m.def("lora_delta_", &lora_delta_, "each row's LoRA adapter delta added to a projection in place (fp32, bf16)",
         release());
 #if defined(__AVX512BF16__)
@@ -59,7 +70,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [T, 2I] projection (bf16)", release());
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up over a fused [T, 2I] projection (bf16)",
         release());
-  m.def("linear_bf16", &linear_bf16, "x · Wᵀ (+ bias) over a weight packed in blocks of 16 columns (bf16)",
-        release());
+  m.def("linear_bf16", &linear_bf16, "x · Wᵀ (+ bias) over a weight packed in blocks of 16 columns (bf16 in, bf16 or "
+        "fp32 out)", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias"),
+        pybind11::arg("out_fp32") = false, release());
 #endif
 }

@@ -37,10 +37,15 @@ inline void store_row(uint16_t* y, __m512 acc, const float* bias, __mmask16 mask
   _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(acc));
 }
 
+inline void store_row(float* y, __m512 acc, const float* bias, __mmask16 mask) {  // the LM head's fp32 logits
+  if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias));
+  _mm512_mask_storeu_ps(y, mask, acc);
+}
+
 // R (<= kRows) rows × one block of 16 columns. Two accumulators per row over alternate input pairs, so that
 // a single row is not one serial chain of dot-product latencies.
-template <int R>
-void rows_x_block(const uint16_t* x, int64_t x_stride, const uint16_t* block, int64_t k2s, uint16_t* y,
+template <int R, typename T>
+void rows_x_block(const uint16_t* x, int64_t x_stride, const uint16_t* block, int64_t k2s, T* y,
                   int64_t n_total, int64_t nb, const float* bias) {
   __m512 even[R], odd[R];
   for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
@@ -63,7 +68,8 @@ void rows_x_block(const uint16_t* x, int64_t x_stride, const uint16_t* block, in
 }
 
 // kRows rows × two blocks of 16 columns: each broadcast pair of x feeds two weight vectors (prefill sizes).
-void rows_x_two_blocks(const uint16_t* x, int64_t x_stride, const uint16_t* block, int64_t k2s, uint16_t* y,
+template <typename T>
+void rows_x_two_blocks(const uint16_t* x, int64_t x_stride, const uint16_t* block, int64_t k2s, T* y,
                        int64_t n_total, int64_t nb, const float* bias) {
   __m512 a0[kRows], a1[kRows];
   for (int r = 0; r < kRows; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
@@ -84,45 +90,25 @@ void rows_x_two_blocks(const uint16_t* x, int64_t x_stride, const uint16_t* bloc
   }
 }
 
-void rows_x_block_any(int rows, const uint16_t* x, int64_t x_stride, const uint16_t* block, int64_t k2s,
-                      uint16_t* y, int64_t n_total, int64_t nb, const float* bias) {
+template <typename T>
+void rows_x_block_any(int rows, const uint16_t* x, int64_t x_stride, const uint16_t* block, int64_t k2s, T* y,
+                      int64_t n_total, int64_t nb, const float* bias) {
   switch (rows) {
-    case 1: return rows_x_block<1>(x, x_stride, block, k2s, y, n_total, nb, bias);
-    case 2: return rows_x_block<2>(x, x_stride, block, k2s, y, n_total, nb, bias);
-    case 3: return rows_x_block<3>(x, x_stride, block, k2s, y, n_total, nb, bias);
-    case 4: return rows_x_block<4>(x, x_stride, block, k2s, y, n_total, nb, bias);
-    case 5: return rows_x_block<5>(x, x_stride, block, k2s, y, n_total, nb, bias);
-    case 6: return rows_x_block<6>(x, x_stride, block, k2s, y, n_total, nb, bias);
-    case 7: return rows_x_block<7>(x, x_stride, block, k2s, y, n_total, nb, bias);
-    default: return rows_x_block<8>(x, x_stride, block, k2s, y, n_total, nb, bias);
+    case 1: return rows_x_block<1, T>(x, x_stride, block, k2s, y, n_total, nb, bias);
+    case 2: return rows_x_block<2, T>(x, x_stride, block, k2s, y, n_total, nb, bias);
+    case 3: return rows_x_block<3, T>(x, x_stride, block, k2s, y, n_total, nb, bias);
+    case 4: return rows_x_block<4, T>(x, x_stride, block, k2s, y, n_total, nb, bias);
+    case 5: return rows_x_block<5, T>(x, x_stride, block, k2s, y, n_total, nb, bias);
+    case 6: return rows_x_block<6, T>(x, x_stride, block, k2s, y, n_total, nb, bias);
+    case 7: return rows_x_block<7, T>(x, x_stride, block, k2s, y, n_total, nb, bias);
+    default: return rows_x_block<8, T>(x, x_stride, block, k2s, y, n_total, nb, bias);
   }
 }
 
-}  // namespace
-
-// x [M, K] bf16 (rows contiguous), packed [ceil(N/16), K/2, 16, 2] bf16, bias [N] or none → y [M, N] bf16.
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                          c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: [M, K] bf16, rows contiguous");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == 16 && packed.size(3) == 2,
-              "packed: [N/16, K/2, 16, 2] bf16, contiguous");
-  const int64_t rows = x.size(0), k = x.size(1), blocks = packed.size(0), k2s = packed.size(1);
-  TORCH_CHECK(2 * k2s == k, "x has ", k, " inputs, the packed weight ", 2 * k2s);
-  TORCH_CHECK(out_features > 16 * (blocks - 1) && out_features <= 16 * blocks, "out_features ", out_features,
-              " does not match ", blocks, " blocks of 16");
-  torch::Tensor bias_f32;
-  if (bias) {
-    TORCH_CHECK(bias->numel() == out_features, "bias: [", out_features, "]");
-    bias_f32 = bias->to(at::kFloat).contiguous();  // no copy for the fp32 bias Linear keeps
-  }
-  auto y = torch::empty({rows, out_features}, x.options());
-  if (rows == 0) return y;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const float* bp = bias ? bias_f32.data_ptr<float>() : nullptr;
-  const int64_t x_stride = x.stride(0), block_elems = k2s * 32;
+template <typename T>
+void run(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16_t* wp, int64_t blocks, int64_t k2s,
+         T* yp, int64_t out_features, const float* bp) {
+  const int64_t block_elems = k2s * 32;
   if (rows < 2 * kRows) {  // decode: every block once, all rows against it
     at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
       for (int64_t nb = b0; nb < b1; ++nb)
@@ -130,7 +116,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_fea
           rows_x_block_any(static_cast<int>(std::min<int64_t>(rows - r, kRows)), xp + r * x_stride, x_stride,
                            wp + nb * block_elems, k2s, yp + r * out_features, out_features, nb, bp);
     });
-    return y;
+    return;
   }
   // prefill: pairs of blocks (hot in cache) against every 8 rows in turn
   at::parallel_for(0, (blocks + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
@@ -147,6 +133,37 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_fea
                            wp + b * block_elems, k2s, yp + r * out_features, out_features, b, bp);
     }
   });
+}
+
+}  // namespace
+
+// x [M, K] bf16 (rows contiguous), packed [ceil(N/16), K/2, 16, 2] bf16, bias [N] or none → y [M, N] bf16, or
+// fp32 with out_fp32 (the LM head: logits keep the fp32 sums).
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                          c10::optional<torch::Tensor> bias, bool out_fp32) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: [M, K] bf16, rows contiguous");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == 16 && packed.size(3) == 2,
+              "packed: [N/16, K/2, 16, 2] bf16, contiguous");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = packed.size(0), k2s = packed.size(1);
+  TORCH_CHECK(2 * k2s == k, "x has ", k, " inputs, the packed weight ", 2 * k2s);
+  TORCH_CHECK(out_features > 16 * (blocks - 1) && out_features <= 16 * blocks, "out_features ", out_features,
+              " does not match ", blocks, " blocks of 16");
+  torch::Tensor bias_f32;
+  if (bias) {
+    TORCH_CHECK(bias->numel() == out_features, "bias: [", out_features, "]");
+    bias_f32 = bias->to(at::kFloat).contiguous();  // no copy for the fp32 bias Linear keeps
+  }
+  auto y = torch::empty({rows, out_features}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  if (rows == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias_f32.data_ptr<float>() : nullptr;
+  if (out_fp32)
+    run(xp, x.stride(0), rows, wp, blocks, k2s, y.data_ptr<float>(), out_features, bp);
+  else
+    run(xp, x.stride(0), rows, wp, blocks, k2s, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
+        out_features, bp);
   return y;
 }
 #endif

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.cpu.features import cpu_features
+from engine_core.models.layers.quant import QuantizedTensor, cat_rows, same_layout
 
 BLOCK = 16  # output columns per packed block: one AVX-512 vector of fp32 accumulators
 
@@ -45,19 +46,26 @@ def linear_kernels(kernels: ModuleType | None) -> ModuleType | None:
 
 
 class Linear:
+    """`fp32_out`: the LM head, whose logits keep the matmul's fp32 sums in every dtype (bf16 logits would round
+    values near 16 to multiples of 0.125, and greedy decoding would pick among false ties). On CPUs with AVX-512
+    BF16 it runs on `linear_bf16`, AMX or not: oneDNN has no bf16 matmul with an fp32 result in torch."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 kernels: ModuleType | None = None) -> None:
+                 kernels: ModuleType | None = None, fp32_out: bool = False) -> None:
         self.out_features = weight.shape[0]
         self.bias = bias
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None  # oneDNN's layout
         self.blocks: torch.Tensor | None = None  # linear_bf16's layout
         self.kernel = getattr(kernels, "linear_bf16", None)
+        self.fp32_out = fp32_out and weight.dtype != torch.float32
         if not _can_pack(weight):
             return
         if self.kernel is not None and weight.shape[1] % 2 == 0:
             self.blocks = pack_blocks(weight)
             self.bias = None if bias is None else bias.float()  # widened once, not in every call
+        elif self.fp32_out:
+            return  # F.linear in fp32
         else:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -75,8 +83,72 @@ class Linear:
             rows = x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            out = self.kernel(rows, self.blocks, self.out_features, self.bias)
+            out = self.kernel(rows, self.blocks, self.out_features, self.bias, self.fp32_out)
             return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.fp32_out:
+            assert self.weight is not None
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         return F.linear(x, self.weight, self.bias)
+
+
+# Steps with more rows than this dequantize the weight and run the dtype's GEMM (AMX or AVX-512 for bf16):
+# from there the matmul is compute-bound and the dequantize is shared by all rows (benchmarks/linear_kernel.py)
+QUANT_KERNEL_MAX_ROWS = 16
+
+
+class QuantLinear:
+    """A linear layer over weights kept quantized (`quant.py`). A fused projection whose parts come in different
+    formats (a GGUF's q, k and v) keeps one part per format, each writing its columns of one output."""
+
+    def __init__(self, parts: list[QuantizedTensor], bias: torch.Tensor | None, kernels: ModuleType | None,
+                 dtype: torch.dtype, fp32_out: bool = False) -> None:
+        runs: list[list[QuantizedTensor]] = []  # consecutive parts of one layout become one part
+        for part in parts:
+            if runs and same_layout([runs[-1][0], part]):
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        self.parts = [cat_rows(run) for run in runs]
+        self.columns = [0]
+        for part in self.parts:
+            self.columns.append(self.columns[-1] + part.shape[0])
+        self.out_features = self.columns[-1]
+        self.bias = None if bias is None else bias.float()
+        self.kernel = getattr(kernels, "linear_quant_", None)
+        self.dequantize_kernel = getattr(kernels, "dequantize_quant", None)
+        self.dtype = torch.float32 if fp32_out else dtype
+        # a bf16 model's weights are bf16 on every path (its prefill-sized steps dequantize to bf16 for the GEMM),
+        # so a token's products do not depend on the step it ran in; the LM head keeps the exact weights on both
+        # paths (its fp32 GEMM for many rows), for fp32 logits
+        self.round_bf16 = dtype == torch.bfloat16 and not fp32_out
+        self.gemm_dtype = torch.float32 if fp32_out else dtype
+
+    @property
+    def path(self) -> str:
+        formats = "+".join(sorted({p.format for p in self.parts}))
+        return f"{formats} {'linear_quant' if self.kernel is not None else 'torch dequantize'}"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.dequantize_kernel is None or self.parts[0].codes.device.type != "cpu":
+            return torch.cat([p.dequantize(dtype) for p in self.parts])
+        return torch.cat([self.dequantize_kernel(p.codes, p.scales, p.mins, p.bits, p.group, p.shape[1], dtype)
+                          for p in self.parts])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.kernel is None or rows.shape[0] > QUANT_KERNEL_MAX_ROWS:
+            dtype = self.gemm_dtype
+            out = F.linear(rows.to(dtype), self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
+            return out.to(self.dtype).view(*x.shape[:-1], self.out_features)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=self.dtype, device=x.device)
+        for part, col0, col1 in zip(self.parts, self.columns, self.columns[1:]):
+            bias = None if self.bias is None else self.bias[col0:col1]
+            self.kernel(out, col0, rows, part.codes, part.scales, part.mins, part.bits, part.group, bias,
+                        self.round_bf16)
+        return out.view(*x.shape[:-1], self.out_features)

@@ -9,7 +9,7 @@ import torch
 
 from engine_core.models.args import ModelArgs
 from engine_core.models.layers.layer_ops import TorchLayerOps
-from engine_core.models.layers.linear import Linear
+from engine_core.models.layers.linear import Linear, QuantLinear
 from engine_core.models.layers.weights import Weights
 
 
@@ -17,13 +17,14 @@ class SparseMoE:
     def __init__(self, weights: Weights, prefix: str, args: ModelArgs) -> None:
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
-        self.router = Linear(weights.take(prefix + "gate.weight"))
+        self.router = Linear(weights.take(prefix + "gate.weight"))  # routing stays in the dtype
         experts = prefix + "experts."
-        self.experts: list[tuple[Linear, Linear]] = []
+        self.experts: list[tuple[Linear | QuantLinear, Linear | QuantLinear]] = []
         if weights.has(experts + "gate_up_proj"):  # transformers 5's stacked [E, 2I, H] and [E, H, I]
             gate_up, down = weights.take(experts + "gate_up_proj"), weights.take(experts + "down_proj")
-            self.experts = [(Linear(gate_up[e].contiguous(), kernels=weights.kernels),
-                             Linear(down[e].contiguous(), kernels=weights.kernels)) for e in range(args.num_experts)]
+            self.experts = [(weights.linear_of([weights.matrix(gate_up[e].contiguous())]),
+                             weights.linear_of([weights.matrix(down[e].contiguous())]))
+                            for e in range(args.num_experts)]
         else:  # one module per expert, as the published checkpoints store them
             self.experts = [(weights.linear(f"{experts}{e}.gate_proj", f"{experts}{e}.up_proj"),
                              weights.linear(f"{experts}{e}.down_proj")) for e in range(args.num_experts)]

@@ -1,0 +1,165 @@
+"""The quantized weights' pieces against their references: the compiled `linear_quant_` (each ISA build this CPU
+runs) against x @ dequantize(W)ᵀ in fp32 over odd shapes, the torch fallback layer, the int8 / int4 quantizers,
+and the GGUF block decoders against gguf-py's own dequantization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine_core.gguf_blocks import DECODERS, decode
+from engine_core.models.layers.linear import QUANT_KERNEL_MAX_ROWS, QuantLinear
+from engine_core.models.layers.quant import (
+    QuantizedTensor,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+from tests.kernel_helpers import ISAS, kernels_for
+
+
+def random_quantized(n: int, k: int, bits: int, group: int, with_mins: bool, seed: int) -> QuantizedTensor:
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        codes = pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    else:
+        codes = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    mins = -torch.rand(n, k // group, generator=g) * 0.1 if with_mins else None
+    return QuantizedTensor(codes, scales, mins, bits, group, f"test{bits}")
+
+
+FORMATS = [  # (bits, group or None for the whole row, mins): int8, Q6_K, Q8_0 / Q5_0, int4 / Q4_*
+    (8, None, False), (8, 16, False), (8, 32, False), (4, 32, True), (4, 32, False), (8, 32, True)]
+SHAPES = [(1, 32, 1), (1, 576, 960), (3, 96, 37), (5, 1536, 64), (13, 64, 130), (16, 576, 7)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
+@pytest.mark.parametrize(("rows", "k", "n"), SHAPES)
+def test_linear_quant_matches_the_dequantized_matmul(isa: str, bits: int, group: int | None, mins: bool,
+                                                     rows: int, k: int, n: int) -> None:
+    kernels = kernels_for(isa)
+    w = random_quantized(n, k, bits, group or k, mins, seed=rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).bfloat16()
+    bias = torch.randn(n) if n % 2 else None
+    want = x.float() @ w.dequantize().t() + (0 if bias is None else bias)
+    # fp32 out, written at an offset into a wider output (a fused projection's later part)
+    out = torch.full((rows, n + 5), float("nan"))
+    kernels.linear_quant_(out, 3, x, w.codes, w.scales, w.mins, bits, group or k, bias)
+    torch.testing.assert_close(out[:, 3:3 + n], want, rtol=1e-5, atol=1e-4)
+    assert out[:, :3].isnan().all() and out[:, 3 + n:].isnan().all()  # nothing outside its columns
+    # bf16 out: the fp32 sums rounded once
+    out16 = torch.empty(rows, n, dtype=torch.bfloat16)
+    kernels.linear_quant_(out16, 0, x, w.codes, w.scales, w.mins, bits, group or k, bias)
+    torch.testing.assert_close(out16.float(), want, rtol=2 ** -8, atol=1e-3)
+    # a bf16 model's weights rounded to bf16 first, as its prefill GEMM has them
+    want16 = x.float() @ w.dequantize(torch.bfloat16).float().t() + (0 if bias is None else bias)
+    kernels.linear_quant_(out, 3, x, w.codes, w.scales, w.mins, bits, group or k, bias, round_bf16=True)
+    # (a weight whose fp32 value sits at a bf16 rounding tie may land one bf16 step apart: fma vs mul + add)
+    torch.testing.assert_close(out[:, 3:3 + n], want16, rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
+def test_dequantize_kernel_is_the_reference_dequantization(isa: str, bits: int, group: int | None,
+                                                           mins: bool) -> None:
+    kernels = kernels_for(isa)
+    w = random_quantized(37, 96, bits, group or 96, mins, seed=7)
+    got = kernels.dequantize_quant(w.codes, w.scales, w.mins, bits, group or 96, 96, torch.float32)
+    torch.testing.assert_close(got, w.dequantize(), rtol=1e-6, atol=1e-7)
+    got16 = kernels.dequantize_quant(w.codes, w.scales, w.mins, bits, group or 96, 96, torch.bfloat16)
+    assert torch.equal(got16, w.dequantize().bfloat16()) or torch.allclose(got16.float(), w.dequantize(),
+                                                                            rtol=2 ** -8, atol=0)
+
+
+def test_linear_quant_refuses_shapes_it_cannot_read() -> None:
+    kernels = kernels_for(ISAS[-1])
+    w = random_quantized(8, 64, 8, 32, False, seed=1)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.linear_quant_(torch.empty(1, 8), 0, torch.randn(1, 48), w.codes[:, :48].contiguous(),
+                              w.scales[:, :1].contiguous(), None, 8, 48, None)
+    wide = random_quantized(8, 96, 8, 32, False, seed=2)
+    with pytest.raises(RuntimeError, match="groups of 16, 32 or the whole row"):
+        kernels.linear_quant_(torch.empty(1, 8), 0, torch.randn(1, 96), wide.codes, wide.scales[:, :2].contiguous(),
+                              None, 8, 48, None)
+    with pytest.raises(RuntimeError, match="outside out"):
+        kernels.linear_quant_(torch.empty(1, 8), 4, torch.randn(1, 64), w.codes, w.scales, None, 8, 32, None)
+
+
+@pytest.mark.parametrize("rows", [1, QUANT_KERNEL_MAX_ROWS, QUANT_KERNEL_MAX_ROWS + 9])
+@pytest.mark.parametrize("with_kernels", [True, False])
+def test_quant_linear_over_mixed_parts_matches_the_dequantized_layer(rows: int, with_kernels: bool) -> None:
+    """A fused q|k|v whose parts come in different formats (a GGUF's Q4_K q, k beside a Q6_K v): one output,
+    each part's columns, on the kernel (decode), on the dequantized GEMM (prefill) and in torch (no compiler)."""
+    parts = [random_quantized(64, 96, 4, 32, True, 1), random_quantized(32, 96, 4, 32, True, 2),
+             random_quantized(32, 96, 8, 16, False, 3)]
+    layer = QuantLinear(parts, torch.randn(128), kernels_for(ISAS[-1]) if with_kernels else None, torch.bfloat16)
+    assert len(layer.parts) == 2  # the two 4-bit parts concatenated, the 8-bit one its own
+    x = torch.randn(rows, 96).bfloat16()
+    weight = torch.cat([p.dequantize() for p in parts]).bfloat16().float()  # a bf16 model's weights, every path
+    want = x.float() @ weight.t() + layer.bias
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=2e-2)
+    head = QuantLinear(parts, None, kernels_for(ISAS[-1]) if with_kernels else None, torch.bfloat16, fp32_out=True)
+    logits = head(x)  # the exact weights and fp32 sums on every path
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, x.float() @ torch.cat([p.dequantize() for p in parts]).t(), rtol=1e-5,
+                               atol=1e-4)
+
+
+def test_int8_quantizer_rounds_each_weight_to_its_channel_step() -> None:
+    w = torch.randn(64, 96) * torch.linspace(0.01, 2, 64)[:, None]
+    q = quantize_int8(w)
+    assert q.bits == 8 and q.group == 96 and q.mins is None and q.codes.dtype == torch.int8
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    assert q.codes.abs().max() == 127  # the largest weight of each row hits the end of the range
+
+
+def test_int4_quantizer_errs_less_than_the_min_max_grid_and_keeps_a_coarser_grid_exactly() -> None:
+    w = torch.randn(16, 128)
+    q = quantize_int4(w)
+    assert q.bits == 4 and q.group == 32 and q.codes.shape == (16, 64)
+    groups = w.view(16, 4, 32)
+    lo, hi = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
+    step = (hi - lo) / 15
+    min_max = torch.round((groups - lo) / step) * step + lo
+    err = (q.dequantize().view(16, 4, 32) - groups).square().sum(dim=2)
+    assert (err <= (min_max - groups).square().sum(dim=2) + 1e-6).all()
+    # weights already on a 4-bit grid using 11 of its levels (a checkpoint dequantized from Q4_1) come back exactly
+    grid = torch.randint(0, 11, (16, 4, 32)).float() * torch.rand(16, 4, 1) * 0.1 - torch.rand(16, 4, 1)
+    torch.testing.assert_close(quantize_int4(grid.view(16, 128)).dequantize(), grid.view(16, 128), rtol=0, atol=1e-6)
+    assert torch.equal(unpack_int4(pack_int4(torch.arange(32).remainder(16).repeat(2, 1))),
+                       torch.arange(32).remainder(16).repeat(2, 1).to(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_gguf_block_decoders_match_gguf_py(kind: str) -> None:
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    data = np.random.default_rng(0).standard_normal((24, 256)).astype(np.float32)
+    raw = quantize(data, GGMLQuantizationType[kind])
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
+    got = decode(raw, kind)
+    assert got.format == kind
+    assert torch.equal(got.dequantize(), want)
+
+
+def test_gguf_k_quant_decoders_match_gguf_py_on_gemma3(gemma3_gguf: Path) -> None:
+    from gguf import GGUFReader, dequantize
+
+    seen: set[str] = set()
+    for tensor in GGUFReader(gemma3_gguf).tensors:
+        kind = tensor.tensor_type.name
+        if kind in DECODERS and kind not in seen and len(tensor.shape) == 2:
+            seen.add(kind)
+            raw = np.asarray(tensor.data)
+            want = torch.from_numpy(dequantize(raw, tensor.tensor_type).astype(np.float32)).view(raw.shape[0], -1)
+            assert torch.equal(decode(raw, kind).dequantize(), want), tensor.name
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= seen
