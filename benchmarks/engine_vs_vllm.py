@@ -71,13 +71,13 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
     raise SystemExit(f"{url} not ready after {timeout} s")
 
 
-def bench(url: str, pid: int, output: Path, args: argparse.Namespace) -> None:
+def bench(url: str, pid: int, output: Path, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> None:
     subprocess.run([sys.executable, "-m", "gateway", "bench", "--url", url, "--api", args.api, "--model", "bench",
                     "--tokenizer", str(args.model), "--input-len", str(args.input_len),
                     "--output-len", str(args.output_len), "--range-ratio", "0.1", "--ignore-eos",
                     "--concurrency", args.concurrency, "--num-requests", args.num_requests,
-                    "--warmup", str(args.warmup), "--pid", str(pid), "--no-progress", "--output", str(output)],
-                   check=True, cwd=ROOT)
+                    "--warmup", str(args.warmup), "--pid", str(pid), "--no-progress", "--output", str(output),
+                    *extra], check=True, cwd=ROOT)
 
 
 @contextmanager

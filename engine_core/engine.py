@@ -70,9 +70,6 @@ def select_attention(config: EngineConfig, device: torch.device) -> AttentionBac
     return TorchReferenceAttention()
 
 
-SMALL_STEP_TOKENS = 8  # steps with fewer tokens than this run on one thread
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: StartupProgress | None = None) -> None:
         started = time.perf_counter()
@@ -246,13 +243,6 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self.runner.forget(seq.request_id)
 
-    def _set_threads(self, tokens: int) -> None:
-        """One torch thread for tiny steps: splitting a batch-1 matmul costs more in hand-offs than it
-        gains, and a second spinning thread competes with the server's own thread on a small machine."""
-        wanted = 1 if tokens < SMALL_STEP_TOKENS else self.threads
-        if wanted != torch.get_num_threads():
-            torch.set_num_threads(wanted)
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -263,7 +253,6 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        self._set_threads(batch.total_tokens)
         sampled, result = self.runner.run(batch)
         outputs = self.postprocess(batch, sampled, result)
         self.last_step = StepStats(len(batch.seqs), batch.total_tokens, time.perf_counter() - started)

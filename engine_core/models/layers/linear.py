@@ -136,9 +136,11 @@ class QuantLinear:
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if self.dequantize_kernel is None or self.parts[0].codes.device.type != "cpu":
-            return torch.cat([p.dequantize(dtype) for p in self.parts])
-        return torch.cat([self.dequantize_kernel(p.codes, p.scales, p.mins, p.bits, p.group, p.shape[1], dtype)
-                          for p in self.parts])
+            parts = [p.dequantize(dtype) for p in self.parts]
+        else:
+            parts = [self.dequantize_kernel(p.codes, p.scales, p.mins, p.bits, p.group, p.shape[1], dtype)
+                     for p in self.parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
