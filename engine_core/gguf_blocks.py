@@ -6,7 +6,7 @@ min per 32) and Q6_K (a scale per 16). Each maps exactly: the codes are the file
 fp32 products the format defines (Q4_0's q with min -8d, Q4_K's d*sc and -dmin*m). Every kept tensor is checked
 against transformers' own dequantization of the same tensor (the checkpoint beside it, after its row
 permutations): a tensor that does not match is dequantized, never served wrong. Others (F16, BF16, Q5_K, ...)
-are served from the dequantized checkpoint in the dtype, and `gguf_blocks.json` says which and why (the start
+are served from the dequantized checkpoint in the dtype, and `gguf/report.json` says which and why (the start
 log prints it).
 """
 
@@ -24,8 +24,9 @@ from engine_core.models.layers.quant import QuantizedTensor, pack_int4
 
 log = logging.getLogger(__name__)
 
-BLOCKS_FILE = "gguf_blocks.safetensors"
-REPORT_FILE = "gguf_blocks.json"
+# in a folder of their own: vLLM and transformers load every top-level *.safetensors of a model directory
+BLOCKS_FILE = "gguf/blocks.safetensors"
+REPORT_FILE = "gguf/report.json"
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -139,6 +140,7 @@ def write_blocks(gguf: Path, model: Any, dest: Path) -> dict[str, str]:
         if quantized.mins is not None:
             tensors[hf_name + ".mins"] = quantized.mins
         meta[hf_name] = {"bits": quantized.bits, "group": quantized.group, "format": kind}
+    (dest / BLOCKS_FILE).parent.mkdir(exist_ok=True)
     save_file(tensors, str(dest / BLOCKS_FILE), metadata={"tensors": json.dumps(meta)})
     (dest / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True))
     return report

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine_core.gguf_blocks import BLOCKS_FILE, REPORT_FILE, load_blocks, write_blocks
+from engine_core.gguf_blocks import REPORT_FILE, load_blocks, write_blocks
 from engine_core.models.args import ModelLoadError
 from engine_core.models.layers.quant import QuantizedTensor
 
@@ -186,7 +186,7 @@ def load_state_dict(model_dir: Path, keep_quantized: bool = False) -> dict[str, 
     formats instead of dequantized."""
     from safetensors import SafetensorError, safe_open
 
-    files = [f for f in weight_files(model_dir) if f.name != BLOCKS_FILE]
+    files = weight_files(model_dir)
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors weights (only safetensors are supported)")
     state: dict[str, torch.Tensor | QuantizedTensor] = dict(load_blocks(model_dir)) if keep_quantized else {}

@@ -90,6 +90,14 @@ def test_embedded_smollm2_goes_through_the_same_gguf_path(smollm_dir: Path) -> N
     assert json.loads((smollm_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     state = load_state_dict(smollm_dir)
     assert torch.equal(state["model.norm.weight"], gguf_tensor(gguf_file, "output_norm.weight"))
+    # the kept blocks live in a folder of their own: vLLM and transformers load every top-level *.safetensors
+    assert [p.name for p in smollm_dir.glob("*.safetensors")] == ["model.safetensors"]
+    report = json.loads((smollm_dir / "gguf" / "report.json").read_text())
+    assert report["model.embed_tokens.weight"] == "Q8_0" and report["model.layers.0.mlp.down_proj.weight"] == "Q4_1"
+    kept = load_state_dict(smollm_dir, keep_quantized=True)
+    assert kept["model.layers.0.mlp.down_proj.weight"].format == "Q4_1"  # type: ignore[union-attr]
+    assert torch.equal(kept["model.layers.0.mlp.down_proj.weight"].dequantize(),  # type: ignore[union-attr]
+                       state["model.layers.0.mlp.down_proj.weight"])
 
 
 # a byte-level BPE vocabulary as llama.cpp writes one: the 256 byte symbols, a few merges, control tokens

@@ -1,0 +1,145 @@
+// The quantized weight layout the engine's linear_quant kernels read (engine_core/models/layers/quant.py):
+//     w[n, k] = scale[n, g] · code[n, k] + min[n, g]        (g: k's group; no mins: min = 0)
+// - 8 bits: codes int8 [N, K], groups of 16 (Q6_K), 32 (Q8_0, Q5_0) or the whole row (int8 per output channel);
+// - 4 bits: codes uint8 [N, K/2], groups of 32; byte j of a group holds code[j] | code[j + 16] << 4, GGUF's
+//   Q4_0 / Q4_1 byte order (Q4_K is repacked to it at load).
+// `QuantWeight::widen` turns 32 of them into fp32 in registers; the vectors are GCC vector types, so one source
+// gives the AVX-512, AVX2 and scalar builds.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace llmgw_quant {
+
+typedef float floats16 __attribute__((vector_size(64)));
+typedef uint8_t bytes16 __attribute__((vector_size(16)));
+typedef int32_t ints16 __attribute__((vector_size(64)));
+
+#if defined(__AVX512F__)
+constexpr int kOut = 4, kRows = 4;  // 16 accumulators: half the zmm registers
+#else
+constexpr int kOut = 2, kRows = 2;  // a floats16 is two ymm registers on AVX2
+#endif
+
+enum Group { kGroup16, kGroup32, kGroupRow };
+
+#ifndef LLMGW_PREFETCH_BYTES
+#define LLMGW_PREFETCH_BYTES 512
+#endif
+constexpr int64_t kPrefetchBytes = LLMGW_PREFETCH_BYTES;
+
+inline floats16 load_floats(const float* p) {
+  floats16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// 16 bytes widened to 16 int32 lanes (sign- or zero-extended); GCC's vector conversions do this one lane at a
+// time for 8-bit elements, the intrinsics in one or two instructions
+template <bool Signed>
+inline ints16 widen_bytes(bytes16 b) {
+  ints16 out;
+#if defined(__AVX512F__)
+  const __m128i raw = (__m128i)b;
+  const __m512i wide = Signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+  std::memcpy(&out, &wide, sizeof out);
+#elif defined(__AVX2__)
+  const __m128i raw = (__m128i)b;
+  const __m256i lo = Signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+  const __m256i hi = Signed ? _mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)) : _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+  std::memcpy(&out, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+#else
+  for (int i = 0; i < 16; ++i) out[i] = Signed ? static_cast<int8_t>(b[i]) : b[i];
+#endif
+  return out;
+}
+
+inline floats16 round_to_bf16(floats16 w) {  // round to nearest even, kept in fp32 lanes
+  ints16 bits;
+  std::memcpy(&bits, &w, sizeof bits);
+  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & static_cast<int32_t>(0xFFFF0000u);
+  std::memcpy(&w, &bits, sizeof w);
+  return w;
+}
+
+inline void store(float* p, floats16 w) { std::memcpy(p, &w, sizeof w); }
+
+inline void store(at::BFloat16* p, floats16 w) {  // rounded to nearest even, as torch's casts do
+  const floats16 rounded = round_to_bf16(w);
+  ints16 bits;
+  std::memcpy(&bits, &rounded, sizeof bits);
+#if defined(__AVX512F__)
+  __m512i wide;
+  std::memcpy(&wide, &bits, sizeof wide);
+  const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(wide, 16));
+  std::memcpy(p, &halves, sizeof halves);
+#else
+  for (int i = 0; i < 16; ++i) {
+    const uint16_t half = static_cast<uint16_t>(static_cast<uint32_t>(bits[i]) >> 16);
+    std::memcpy(p + i, &half, sizeof half);
+  }
+#endif
+}
+
+inline float sum_lanes(floats16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+struct QuantWeight {
+  const uint8_t* codes;
+  int64_t row_bytes;
+  const float* scales;
+  const float* mins;  // nullptr: none
+  int64_t groups;  // per row
+
+  // the 32 weights w[n, k .. k + 32) in fp32
+  template <int Bits, Group G, bool RoundBf16 = false>
+  inline void widen(int64_t n, int64_t k, floats16& w0, floats16& w1) const {
+    const uint8_t* row = codes + n * row_bytes;
+    const float* s = scales + n * groups;
+    const float* m = mins ? mins + n * groups : nullptr;
+    const int64_t g0 = G == kGroupRow ? 0 : G == kGroup16 ? k >> 4 : k >> 5;
+    const int64_t g1 = G == kGroup16 ? g0 + 1 : g0;
+    // a decode step streams each weight once: ask for the bytes ahead (into the next rows at a row's end) so
+    // the memory works while the registers do; one thread alone reads ~2x slower without
+    __builtin_prefetch(row + (Bits == 8 ? k : k / 2) + kPrefetchBytes);
+    floats16 c0, c1;
+    if constexpr (Bits == 8) {
+      bytes16 a, b;
+      std::memcpy(&a, row + k, 16);
+      std::memcpy(&b, row + k + 16, 16);
+      c0 = __builtin_convertvector(widen_bytes<true>(a), floats16);
+      c1 = __builtin_convertvector(widen_bytes<true>(b), floats16);
+    } else {
+      bytes16 packed;
+      std::memcpy(&packed, row + k / 2, 16);
+      const ints16 both = widen_bytes<false>(packed);  // split the nibbles in 32-bit lanes: x86 has no byte shift
+      c0 = __builtin_convertvector(both & 15, floats16);
+      c1 = __builtin_convertvector(both >> 4, floats16);
+    }
+    w0 = c0 * s[g0] + (m ? m[g0] : 0.f);
+    w1 = c1 * s[g1] + (m ? m[g1] : 0.f);
+    if constexpr (RoundBf16) {
+      w0 = round_to_bf16(w0);
+      w1 = round_to_bf16(w1);
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+// the bf16 path (linear_quant_bf16.cpp): x bf16 [rows, k] with row stride x_stride, y [rows, n] with y_stride
+void run_bf16(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
+              int64_t k, int64_t n, float* y, int64_t y_stride, const float* bias);
+void run_bf16(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
+              int64_t k, int64_t n, at::BFloat16* y, int64_t y_stride, const float* bias);
+#endif
+
+}  // namespace llmgw_quant
