@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.engine_vs_vllm import bench, describe_cpu, running_server  # noqa: E402
+from benchmarks.engine_vs_vllm import GATEWAY_CONFIG, bench, describe_cpu, running_server  # noqa: E402
 from engine_core.loader import embedded_gguf_path, resolve_model_dir  # noqa: E402
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -88,24 +88,6 @@ def build_llamacpp(cache: Path = CACHE, jobs: int = 2) -> Path:
     return bin_dir
 
 
-GATEWAY_CONFIG = """
-default_model = "bench"
-
-[backends.local]
-type = "engine"
-model = "{model}"
-dtype = "{dtype}"
-quantization = "{quantization}"
-kv_cache_mb = 2048
-max_num_seqs = {max_num_seqs}
-max_num_batched_tokens = {max_batched}
-{threads}
-
-[models.bench]
-backend = "local"
-max_input_tokens = 2048
-max_total_tokens = 4096
-"""
 # pair: (the engine's quantization, llama.cpp's file type; None: the source GGUF itself)
 PAIRS: dict[str, tuple[str, str | None]] = {"bf16": ("none", "BF16"), "q8": ("int8", "Q8_0"), "q4": ("auto", None)}
 ENGINE_URL, LLAMACPP_URL = "http://127.0.0.1:8411", "http://127.0.0.1:8413"
@@ -145,9 +127,9 @@ def llamacpp_command(bin_dir: Path, weights: Path, args: argparse.Namespace) -> 
 
 
 def engine_command(model: str, quantization: str, args: argparse.Namespace, config: Path) -> list[str]:
-    threads = f"num_threads = {args.num_threads}" if args.num_threads else ""
+    extra = f'quantization = "{quantization}"' + (f"\nnum_threads = {args.num_threads}" if args.num_threads else "")
     config.write_text(GATEWAY_CONFIG.format(
-        model=model, dtype=args.dtype, quantization=quantization, threads=threads,
+        model=model, dtype=args.dtype, extra=extra,
         max_num_seqs=max(int(c) for c in args.concurrency.split(",")), max_batched=args.max_num_batched_tokens))
     return [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", ENGINE_URL.rsplit(":")[-1],
             "--log-level", "warning"]

@@ -39,7 +39,7 @@ dtype = "{dtype}"
 kv_cache_mb = 2048
 max_num_seqs = {max_num_seqs}
 max_num_batched_tokens = {max_batched}
-{threads}
+{extra}
 
 [models.bench]
 backend = "local"
@@ -131,7 +131,7 @@ def main() -> None:
         config = args.out_dir / "engine.toml"
         threads = f"num_threads = {args.num_threads}" if args.num_threads else ""
         config.write_text(GATEWAY_CONFIG.format(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                                                max_batched=args.max_num_batched_tokens, threads=threads))
+                                                max_batched=args.max_num_batched_tokens, extra=threads))
         serve("engine", [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", "8411",
                          "--log-level", "warning"], {}, "http://127.0.0.1:8411", engine_json, args)
     for dtype in args.vllm_dtypes.split(","):
