@@ -101,8 +101,9 @@ class LLMEngine:
             paths = ", ".join(f"{n} {path}" for path, n in self.model.linear_paths.items())
             details.append(f"attention {self.model.attention.name}, layer ops {type(self.model.ops).__name__}, "
                            f"quantization {config.quantization}, linear layers: {paths}")
-            if config.quantization == "auto" and describe_blocks(self.model_dir):
-                details.append(f"GGUF tensors {describe_blocks(self.model_dir)}")
+            kept = describe_blocks(self.model_dir) if config.quantization == "auto" else ""
+            if kept:
+                details.append(f"GGUF tensors {kept}")
         with progress.step("allocating the KV cache") as details:
             block_bytes = self.model.kv_block_bytes(config.block_size)
             num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
