@@ -11,8 +11,7 @@ void rotary_f32_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, to
 torch::Tensor silu_and_mul_f32(torch::Tensor gate_up);
 torch::Tensor gelu_tanh_and_mul_f32(torch::Tensor gate_up);
 void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                   c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, c10::optional<torch::Tensor> bias,
-                   bool round_bf16);
+                   c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, c10::optional<torch::Tensor> bias);
 torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                                int64_t bits, int64_t group, int64_t k, at::ScalarType dtype);
 void lora_delta_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
@@ -60,7 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[:, col0:col0+N] = x · Wᵀ (+ bias) over int8/int4 codes with a scale (and min) per group (fp32 sums)",
         pybind11::arg("out"), pybind11::arg("col0"), pybind11::arg("x"), pybind11::arg("codes"),
         pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bits"), pybind11::arg("group"),
-        pybind11::arg("bias"), pybind11::arg("round_bf16") = false, release());
+        pybind11::arg("bias"), release());
   m.def("dequantize_quant", &dequantize_quant, "a quantized weight dequantized to [N, K] fp32 or bf16", release());
   m.def("lora_delta_", &lora_delta_, "each row's LoRA adapter delta added to a projection in place (fp32, bf16)",
         release());

@@ -1,11 +1,10 @@
 // y = x · Wᵀ (+ bias) over a weight kept quantized (the layout: quant_weight.h): int8 / int4 made at load, and
 // GGUF's block formats decoded once into the same two layouts. A weight is widened to fp32 in registers with one
 // fma (w exactly as the torch reference dequantizes it, up to fp32 rounding) and multiplied with fp32
-// activations: no rounding beyond the format's own, and fp32 out where asked (the LM head). A bf16 model rounds
-// each weight to bf16 first (`round_bf16`), as its prefill-sized steps do (they dequantize to bf16 for the
-// GEMM), so a token gets the same products whichever path computed it; on AVX-512 BF16 that path runs on
-// vdpbf16ps (linear_quant_bf16.cpp). A tile of kOut outputs × kRows rows keeps its sums in registers, so a
-// decode step reads each weight once for all its rows. K must be a multiple of 32.
+// activations: no rounding beyond the format's own, and fp32 out where asked (the LM head). bf16 activations on
+// a CPU with AVX-512 BF16 take linear_quant_bf16.cpp's path instead: the same exact weights, its codes in
+// vdpbf16ps. A tile of kOut outputs × kRows rows keeps its sums in registers, so a decode step reads each weight
+// once for all its rows. K must be a multiple of 32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -20,7 +19,7 @@ namespace {
 using namespace llmgw_quant;
 
 // Rows × Out sums of one tile: rows of x (fp32, k contiguous) against outputs n0 .. n0 + Out.
-template <int Bits, Group G, bool RoundBf16, int Out, int Rows>
+template <int Bits, Group G, int Out, int Rows>
 void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, float sums[kRows][kOut]) {
   floats16 acc[Rows][Out] = {};
   for (int64_t k = 0; k < k_total; k += 32) {
@@ -31,7 +30,7 @@ void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, flo
     }
     for (int j = 0; j < Out; ++j) {
       floats16 w0, w1;
-      w.widen<Bits, G, RoundBf16>(n0 + j, k, w0, w1);
+      w.widen<Bits, G>(n0 + j, k, w0, w1);
       for (int r = 0; r < Rows; ++r) acc[r][j] += w0 * x0[r] + w1 * x1[r];
     }
   }
@@ -39,27 +38,27 @@ void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, flo
     for (int j = 0; j < Out; ++j) sums[r][j] = sum_lanes(acc[r][j]);
 }
 
-template <int Bits, Group G, bool RoundBf16, int Out>
+template <int Bits, Group G, int Out>
 void tile_rows(int rows, const QuantWeight& w, int64_t n0, const float* x, int64_t k, float sums[kRows][kOut]) {
   switch (rows) {
-    case 1: return tile<Bits, G, RoundBf16, Out, 1>(w, n0, x, k, sums);
+    case 1: return tile<Bits, G, Out, 1>(w, n0, x, k, sums);
 #if defined(__AVX512F__)
-    case 2: return tile<Bits, G, RoundBf16, Out, 2>(w, n0, x, k, sums);
-    case 3: return tile<Bits, G, RoundBf16, Out, 3>(w, n0, x, k, sums);
+    case 2: return tile<Bits, G, Out, 2>(w, n0, x, k, sums);
+    case 3: return tile<Bits, G, Out, 3>(w, n0, x, k, sums);
 #endif
-    default: return tile<Bits, G, RoundBf16, Out, kRows>(w, n0, x, k, sums);
+    default: return tile<Bits, G, Out, kRows>(w, n0, x, k, sums);
   }
 }
 
-template <bool RoundBf16, typename T>
+template <typename T>
 void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t rows, int64_t k, int64_t n,
          T* y, int64_t y_stride, const float* bias) {
   auto one_tile = [&](int64_t n0, int out, int64_t r0, int r) {
     float sums[kRows][kOut];
     const float* xr = x + r0 * k;
 #define LLMGW_TILE(B, G)                                                   \
-  if (out == kOut) tile_rows<B, G, RoundBf16, kOut>(r, w, n0, xr, k, sums); \
-  else tile_rows<B, G, RoundBf16, 1>(r, w, n0, xr, k, sums);
+  if (out == kOut) tile_rows<B, G, kOut>(r, w, n0, xr, k, sums); \
+  else tile_rows<B, G, 1>(r, w, n0, xr, k, sums);
     if (bits == 4) { LLMGW_TILE(4, kGroup32) }
     else if (group == kGroup16) { LLMGW_TILE(8, kGroup16) }
     else if (group == kGroup32) { LLMGW_TILE(8, kGroup32) }
@@ -123,8 +122,7 @@ QuantWeight weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
 // float dtype (widened to fp32 once); several parts of one fused projection (q|k|v stored in different formats)
 // write their columns of one output.
 void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                   c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, c10::optional<torch::Tensor> bias,
-                   bool round_bf16) {
+                   c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1,
               "x: [M, K], out: [M, N'] with contiguous rows");
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
@@ -139,7 +137,7 @@ void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tens
   const float* bp = bias ? bias_f32.data_ptr<float>() : nullptr;
   if (rows == 0) return;
 #if defined(__AVX512BF16__)
-  if (round_bf16 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
+  if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     if (out.scalar_type() == at::kFloat)
       run_bf16(w, bits, g, xp, x.stride(0), rows, k, n, out.data_ptr<float>() + col0, out.stride(0), bp);
@@ -153,12 +151,10 @@ void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tens
   const float* xp = xf.data_ptr<float>();
   if (out.scalar_type() == at::kFloat) {
     float* yp = out.data_ptr<float>() + col0;
-    if (round_bf16) run<true>(w, bits, g, xp, rows, k, n, yp, out.stride(0), bp);
-    else run<false>(w, bits, g, xp, rows, k, n, yp, out.stride(0), bp);
+    run(w, bits, g, xp, rows, k, n, yp, out.stride(0), bp);
   } else {
     at::BFloat16* yp = out.data_ptr<at::BFloat16>() + col0;
-    if (round_bf16) run<true>(w, bits, g, xp, rows, k, n, yp, out.stride(0), bp);
-    else run<false>(w, bits, g, xp, rows, k, n, yp, out.stride(0), bp);
+    run(w, bits, g, xp, rows, k, n, yp, out.stride(0), bp);
   }
 }
 

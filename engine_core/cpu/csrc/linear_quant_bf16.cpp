@@ -1,8 +1,12 @@
-// The quantized linear layer of a bf16 model on a CPU with AVX-512 BF16 (linear_quant.cpp dispatches here): each
-// weight rounded to bf16 in registers (one vcvtne2ps2bf16 per 32) meets the bf16 activations in vdpbf16ps, two
-// products per lane, half the instructions of the fp32 path. With more rows than one register tile, the tile's
-// weights are decoded once into an L1 buffer that every block of rows then reads, as linear_bf16 reads its packed
-// weight.
+// The quantized linear layer for bf16 activations on a CPU with AVX-512 BF16 (linear_quant.cpp dispatches here).
+// A weight is scale · code + min, and its codes are small integers, exact in bf16: vdpbf16ps takes them as they
+// are against the bf16 activations, and each group's scale multiplies its partial sums in fp32,
+//     y[n] = Σ_g scale[n, g] · Σ_{k ∈ g} code[n, k] · x[k]  +  Σ_g min[n, g] · Σ_{k ∈ g} x[k],
+// the mins' term over the activations' group sums, made once a call. Every product is exact and every sum fp32:
+// the weights exactly as the format defines them, nothing rounded to bf16, and a third of the instructions per
+// weight of widening each weight to fp32 and scaling it (4-bit codes: a broadcast load, a widen, a shift and a
+// table lookup per 32). A tile of kOut outputs keeps its sums for kRows rows in registers; more rows run the
+// tile again, its codes then in L1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,129 +19,139 @@
 namespace llmgw_quant {
 namespace {
 
-inline __m512bh to_bf16(floats16 w0, floats16 w1) {
-  __m512 a, b;
-  std::memcpy(&a, &w0, sizeof a);
-  std::memcpy(&b, &w1, sizeof b);
-  return _mm512_cvtne2ps_pbh(b, a);  // w0 in the low half: the 32 weights in order
+// bf16 bits of 0 .. 15, twice: vpermw indexes with a word's low 5 bits, and a low nibble's word still holds its
+// byte's high nibble above them
+struct NibbleTable {
+  alignas(64) uint16_t bits[32];
+  NibbleTable() {
+    for (int i = 0; i < 32; ++i) {
+      const float v = static_cast<float>(i & 15);
+      uint32_t u;
+      std::memcpy(&u, &v, sizeof u);
+      bits[i] = static_cast<uint16_t>(u >> 16);  // exact: 0..15 need 4 significant bits
+    }
+  }
+};
+const NibbleTable kNibbles;
+
+// the 32 codes of a group, as exact bf16 in the order of k
+template <int Bits>
+inline __m512bh codes_bf16(const uint8_t* p, __m512i table, __m512i shift) {
+  if constexpr (Bits == 4) {  // byte j holds code j (low nibble) and code j + 16 (high): words 16..31 shift by 4
+    const __m256i twice = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i words = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(twice), shift);
+    return (__m512bh)_mm512_permutexvar_epi16(words, table);
+  } else {  // int8: through fp32, where they are exact, packed two vectors to one
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
 }
 
-inline __m512bh load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+// the scales of a 32-block by vdpbf16ps lane: lane i sums elements 2i and 2i + 1, so lanes 0-7 hold the first 16
+template <Group G>
+inline __m512 block_scales(const float* s, int64_t k) {
+  if constexpr (G == kGroup16) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[k >> 4]), _mm512_set1_ps(s[(k >> 4) + 1]));
+  } else {
+    return _mm512_set1_ps(s[k >> 5]);
+  }
+}
 
 template <int Bits, Group G, int Out, int Rows>
-void tile_bf16(const QuantWeight& w, int64_t n0, const uint16_t* x, int64_t x_stride, int64_t k_total,
+void tile(const QuantWeight& w, int64_t n0, const uint16_t* x, int64_t x_stride, int64_t k_total,
+          float sums[kRows][kOut]) {
+  const __m512i table = _mm512_load_si512(kNibbles.bits);
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  // a decode step streams each weight once: ask for a later tile's bytes (the same column, 4 KiB or more on)
+  // while this one computes; one tile ahead is too late for int8 rows, whose reads then take twice as long
+  const int64_t tile_bytes = kOut * w.row_bytes, ahead = tile_bytes * ((4096 + tile_bytes - 1) / tile_bytes);
+  __m512 acc[Rows][Out];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Out; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_total; k += 32) {
+    __m512bh xr[Rows];
+    for (int r = 0; r < Rows; ++r) xr[r] = (__m512bh)_mm512_loadu_si512(x + r * x_stride + k);
+    for (int j = 0; j < Out; ++j) {
+      const uint8_t* codes = w.codes + (n0 + j) * w.row_bytes + (Bits == 8 ? k : k / 2);
+      __builtin_prefetch(codes + ahead);
+      const __m512bh c = codes_bf16<Bits>(codes, table, shift);
+      if constexpr (G == kGroupRow) {  // one scale a row: applied to the sums at the end
+        for (int r = 0; r < Rows; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], c, xr[r]);
+      } else {
+        const __m512 s = block_scales<G>(w.scales + (n0 + j) * w.groups, k);
+        for (int r = 0; r < Rows; ++r)
+          acc[r][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), c, xr[r]), s, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Out; ++j)
+      sums[r][j] = _mm512_reduce_add_ps(acc[r][j]) * (G == kGroupRow ? w.scales[n0 + j] : 1.f);
+}
+
+template <int Bits, Group G, int Out>
+void tile_rows(int rows, const QuantWeight& w, int64_t n0, const uint16_t* x, int64_t x_stride, int64_t k,
                float sums[kRows][kOut]) {
-  __m512 acc[Rows][Out];
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < Out; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_total; k += 32) {
-    __m512bh xr[Rows];
-    for (int r = 0; r < Rows; ++r) xr[r] = load_bf16(x + r * x_stride + k);
-    for (int j = 0; j < Out; ++j) {
-      floats16 w0, w1;
-      w.widen<Bits, G>(n0 + j, k, w0, w1);
-      const __m512bh wb = to_bf16(w0, w1);
-      for (int r = 0; r < Rows; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wb, xr[r]);
-    }
-  }
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < Out; ++j) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
-}
-
-template <int Out, int Rows>
-void buffered_bf16(const uint16_t* weights, const uint16_t* x, int64_t x_stride, int64_t k_total,
-                   float sums[kRows][kOut]) {
-  __m512 acc[Rows][Out];
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < Out; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_total; k += 32) {
-    __m512bh xr[Rows];
-    for (int r = 0; r < Rows; ++r) xr[r] = load_bf16(x + r * x_stride + k);
-    for (int j = 0; j < Out; ++j) {
-      const __m512bh wb = load_bf16(weights + j * k_total + k);
-      for (int r = 0; r < Rows; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wb, xr[r]);
-    }
-  }
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < Out; ++j) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
-}
-
-template <int Bits, Group G, int Out>
-void decode_tile(const QuantWeight& w, int64_t n0, int64_t k_total, uint16_t* buffer) {
-  for (int j = 0; j < Out; ++j)
-    for (int64_t k = 0; k < k_total; k += 32) {
-      floats16 w0, w1;
-      w.widen<Bits, G>(n0 + j, k, w0, w1);
-      _mm512_storeu_si512(buffer + j * k_total + k, (__m512i)to_bf16(w0, w1));
-    }
-}
-
-template <int Bits, Group G, int Out>
-void tile_bf16_rows(int rows, const QuantWeight& w, int64_t n0, const uint16_t* x, int64_t x_stride, int64_t k,
-                    float sums[kRows][kOut]) {
   switch (rows) {
-    case 1: return tile_bf16<Bits, G, Out, 1>(w, n0, x, x_stride, k, sums);
-    case 2: return tile_bf16<Bits, G, Out, 2>(w, n0, x, x_stride, k, sums);
-    case 3: return tile_bf16<Bits, G, Out, 3>(w, n0, x, x_stride, k, sums);
-    default: return tile_bf16<Bits, G, Out, kRows>(w, n0, x, x_stride, k, sums);
-  }
-}
-
-template <int Out>
-void buffered_rows(int rows, const uint16_t* weights, const uint16_t* x, int64_t x_stride, int64_t k,
-                   float sums[kRows][kOut]) {
-  switch (rows) {
-    case 1: return buffered_bf16<Out, 1>(weights, x, x_stride, k, sums);
-    case 2: return buffered_bf16<Out, 2>(weights, x, x_stride, k, sums);
-    case 3: return buffered_bf16<Out, 3>(weights, x, x_stride, k, sums);
-    default: return buffered_bf16<Out, kRows>(weights, x, x_stride, k, sums);
+    case 1: return tile<Bits, G, Out, 1>(w, n0, x, x_stride, k, sums);
+    case 2: return tile<Bits, G, Out, 2>(w, n0, x, x_stride, k, sums);
+    case 3: return tile<Bits, G, Out, 3>(w, n0, x, x_stride, k, sums);
+    default: return tile<Bits, G, Out, kRows>(w, n0, x, x_stride, k, sums);
   }
 }
 
 template <typename T>
 void run_tiles(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
-              int64_t k, int64_t n, T* y, int64_t y_stride, const float* bias) {
+               int64_t k, int64_t n, T* y, int64_t y_stride, const float* bias) {
+  const int64_t group_size = group == kGroupRow ? k : group == kGroup16 ? 16 : 32;
+  // each row's sums over each group, for the mins' term
+  std::vector<float> x_sums(w.mins ? rows * w.groups : 0);
+  for (int64_t r = 0; r < rows && w.mins; ++r)
+    for (int64_t g = 0; g < w.groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
+        const uint32_t u = static_cast<uint32_t>(x[r * x_stride + i]) << 16;
+        float v;
+        std::memcpy(&v, &u, sizeof v);
+        s += v;
+      }
+      x_sums[r * w.groups + g] = s;
+    }
   auto emit = [&](float sums[kRows][kOut], int64_t n0, int out, int64_t r0, int r) {
     for (int i = 0; i < r; ++i)
-      for (int j = 0; j < out; ++j)
-        y[(r0 + i) * y_stride + n0 + j] = static_cast<T>(sums[i][j] + (bias ? bias[n0 + j] : 0.f));
+      for (int j = 0; j < out; ++j) {
+        float v = sums[i][j] + (bias ? bias[n0 + j] : 0.f);
+        if (w.mins) {
+          const float* m = w.mins + (n0 + j) * w.groups;
+          const float* xs = x_sums.data() + (r0 + i) * w.groups;
+          for (int64_t g = 0; g < w.groups; ++g) v += m[g] * xs[g];
+        }
+        y[(r0 + i) * y_stride + n0 + j] = static_cast<T>(v);
+      }
   };
   const int64_t tiles = (n + kOut - 1) / kOut;
   const int64_t grain = std::max<int64_t>(1, 16384 / (kOut * k));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<uint16_t> buffer(rows > kRows ? kOut * k : 0);
     float sums[kRows][kOut];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t first = t * kOut;
       // a tile of kOut outputs, or the last outputs one at a time
       for (int64_t n0 = first; n0 < std::min(first + kOut, n); n0 += (n - first >= kOut ? kOut : 1)) {
         const int out = n - first >= kOut ? kOut : 1;
-#define LLMGW_DISPATCH(CALL)                                  \
-  if (bits == 4) { CALL(4, kGroup32) }                        \
-  else if (group == kGroup16) { CALL(8, kGroup16) }           \
-  else if (group == kGroup32) { CALL(8, kGroup32) }           \
-  else { CALL(8, kGroupRow) }
-        if (rows <= kRows) {
-#define LLMGW_DIRECT(B, G)                                                                         \
-  if (out == kOut) tile_bf16_rows<B, G, kOut>(static_cast<int>(rows), w, n0, x, x_stride, k, sums); \
-  else tile_bf16_rows<B, G, 1>(static_cast<int>(rows), w, n0, x, x_stride, k, sums);
-          LLMGW_DISPATCH(LLMGW_DIRECT)
-          emit(sums, n0, out, 0, static_cast<int>(rows));
-          continue;
-        }
-#define LLMGW_DECODE(B, G)                                       \
-  if (out == kOut) decode_tile<B, G, kOut>(w, n0, k, buffer.data()); \
-  else decode_tile<B, G, 1>(w, n0, k, buffer.data());
-        LLMGW_DISPATCH(LLMGW_DECODE)
         for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
           const int r = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
-          if (out == kOut) buffered_rows<kOut>(r, buffer.data(), x + r0 * x_stride, x_stride, k, sums);
-          else buffered_rows<1>(r, buffer.data(), x + r0 * x_stride, x_stride, k, sums);
+          const uint16_t* xr = x + r0 * x_stride;
+#define LLMGW_TILE(B, G)                                                 \
+  if (out == kOut) tile_rows<B, G, kOut>(r, w, n0, xr, x_stride, k, sums); \
+  else tile_rows<B, G, 1>(r, w, n0, xr, x_stride, k, sums);
+          if (bits == 4) { LLMGW_TILE(4, kGroup32) }
+          else if (group == kGroup16) { LLMGW_TILE(8, kGroup16) }
+          else if (group == kGroup32) { LLMGW_TILE(8, kGroup32) }
+          else { LLMGW_TILE(8, kGroupRow) }
+#undef LLMGW_TILE
           emit(sums, n0, out, r0, r);
         }
-#undef LLMGW_DECODE
-#undef LLMGW_DIRECT
-#undef LLMGW_DISPATCH
       }
     }
   });

@@ -101,7 +101,7 @@ struct QuantWeight {
   int64_t groups;  // per row
 
   // the 32 weights w[n, k .. k + 32) in fp32
-  template <int Bits, Group G, bool RoundBf16 = false>
+  template <int Bits, Group G>
   inline void widen(int64_t n, int64_t k, floats16& w0, floats16& w1) const {
     const uint8_t* row = codes + n * row_bytes;
     const float* s = scales + n * groups;
@@ -127,10 +127,6 @@ struct QuantWeight {
     }
     w0 = c0 * s[g0] + (m ? m[g0] : 0.f);
     w1 = c1 * s[g1] + (m ? m[g1] : 0.f);
-    if constexpr (RoundBf16) {
-      w0 = round_to_bf16(w0);
-      w1 = round_to_bf16(w1);
-    }
   }
 };
 

@@ -119,10 +119,8 @@ class QuantLinear:
         self.kernel = getattr(kernels, "linear_quant_", None)
         self.dequantize_kernel = getattr(kernels, "dequantize_quant", None)
         self.dtype = torch.float32 if fp32_out else dtype
-        # a bf16 model's weights are bf16 on every path (its prefill-sized steps dequantize to bf16 for the GEMM),
-        # so a token's products do not depend on the step it ran in; the LM head keeps the exact weights on both
-        # paths (its fp32 GEMM for many rows), for fp32 logits
-        self.round_bf16 = dtype == torch.bfloat16 and not fp32_out
+        # the kernel computes with the exact weights; a prefill-sized step's GEMM has them in the model's dtype
+        # (bf16 on AMX), except the LM head's, fp32 for fp32 logits
         self.gemm_dtype = torch.float32 if fp32_out else dtype
 
     @property
@@ -151,6 +149,5 @@ class QuantLinear:
         out = torch.empty(rows.shape[0], self.out_features, dtype=self.dtype, device=x.device)
         for part, col0, col1 in zip(self.parts, self.columns, self.columns[1:]):
             bias = None if self.bias is None else self.bias[col0:col1]
-            self.kernel(out, col0, rows, part.codes, part.scales, part.mins, part.bits, part.group, bias,
-                        self.round_bf16)
+            self.kernel(out, col0, rows, part.codes, part.scales, part.mins, part.bits, part.group, bias)
         return out.view(*x.shape[:-1], self.out_features)
