@@ -139,10 +139,12 @@ void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tens
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    if (out.scalar_type() == at::kFloat)
-      run_bf16(w, bits, g, xp, x.stride(0), rows, k, n, out.data_ptr<float>() + col0, out.stride(0), bp);
-    else
-      run_bf16(w, bits, g, xp, x.stride(0), rows, k, n, out.data_ptr<at::BFloat16>() + col0, out.stride(0), bp);
+    auto run = [&](auto* yp) {  // more rows than a register tile: AMX where there is
+      if (rows <= kRows || !run_amx(w, bits, g, xp, x.stride(0), rows, k, n, yp, out.stride(0), bp))
+        run_bf16(w, bits, g, xp, x.stride(0), rows, k, n, yp, out.stride(0), bp);
+    };
+    if (out.scalar_type() == at::kFloat) run(out.data_ptr<float>() + col0);
+    else run(out.data_ptr<at::BFloat16>() + col0);
     return;
   }
 #endif

@@ -5,8 +5,8 @@
 // the mins' term over the activations' group sums, made once a call. Every product is exact and every sum fp32:
 // the weights exactly as the format defines them, nothing rounded to bf16, and a third of the instructions per
 // weight of widening each weight to fp32 and scaling it (4-bit codes: a broadcast load, a widen, a shift and a
-// table lookup per 32). A tile of kOut outputs keeps its sums for kRows rows in registers; more rows run the
-// tile again, its codes then in L1.
+// table lookup per 32). A tile of kOut outputs keeps its sums for kRows rows in registers; with more rows its
+// codes are decoded once into an L1 buffer that each block of kRows rows then reads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,35 +19,6 @@
 namespace llmgw_quant {
 namespace {
 
-// bf16 bits of 0 .. 15, twice: vpermw indexes with a word's low 5 bits, and a low nibble's word still holds its
-// byte's high nibble above them
-struct NibbleTable {
-  alignas(64) uint16_t bits[32];
-  NibbleTable() {
-    for (int i = 0; i < 32; ++i) {
-      const float v = static_cast<float>(i & 15);
-      uint32_t u;
-      std::memcpy(&u, &v, sizeof u);
-      bits[i] = static_cast<uint16_t>(u >> 16);  // exact: 0..15 need 4 significant bits
-    }
-  }
-};
-const NibbleTable kNibbles;
-
-// the 32 codes of a group, as exact bf16 in the order of k
-template <int Bits>
-inline __m512bh codes_bf16(const uint8_t* p, __m512i table, __m512i shift) {
-  if constexpr (Bits == 4) {  // byte j holds code j (low nibble) and code j + 16 (high): words 16..31 shift by 4
-    const __m256i twice = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i words = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(twice), shift);
-    return (__m512bh)_mm512_permutexvar_epi16(words, table);
-  } else {  // int8: through fp32, where they are exact, packed two vectors to one
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
-  }
-}
-
 // the scales of a 32-block by vdpbf16ps lane: lane i sums elements 2i and 2i + 1, so lanes 0-7 hold the first 16
 template <Group G>
 inline __m512 block_scales(const float* s, int64_t k) {
@@ -58,11 +29,11 @@ inline __m512 block_scales(const float* s, int64_t k) {
   }
 }
 
+// `decoded`: the tile's codes already as bf16 ([Out, k_total]), or nullptr to decode them here
 template <int Bits, Group G, int Out, int Rows>
-void tile(const QuantWeight& w, int64_t n0, const uint16_t* x, int64_t x_stride, int64_t k_total,
-          float sums[kRows][kOut]) {
-  const __m512i table = _mm512_load_si512(kNibbles.bits);
-  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+void tile(const QuantWeight& w, int64_t n0, const uint16_t* decoded, const uint16_t* x, int64_t x_stride,
+          int64_t k_total, float sums[kRows][kOut]) {
+  const CodeDecoder decode;
   // a decode step streams each weight once: ask for a later tile's bytes (the same column, 4 KiB or more on)
   // while this one computes; one tile ahead is too late for int8 rows, whose reads then take twice as long
   const int64_t tile_bytes = kOut * w.row_bytes, ahead = tile_bytes * ((4096 + tile_bytes - 1) / tile_bytes);
@@ -73,9 +44,14 @@ void tile(const QuantWeight& w, int64_t n0, const uint16_t* x, int64_t x_stride,
     __m512bh xr[Rows];
     for (int r = 0; r < Rows; ++r) xr[r] = (__m512bh)_mm512_loadu_si512(x + r * x_stride + k);
     for (int j = 0; j < Out; ++j) {
-      const uint8_t* codes = w.codes + (n0 + j) * w.row_bytes + (Bits == 8 ? k : k / 2);
-      __builtin_prefetch(codes + ahead);
-      const __m512bh c = codes_bf16<Bits>(codes, table, shift);
+      __m512bh c;
+      if (decoded) {
+        c = (__m512bh)_mm512_loadu_si512(decoded + j * k_total + k);
+      } else {
+        const uint8_t* codes = w.codes + (n0 + j) * w.row_bytes + (Bits == 8 ? k : k / 2);
+        __builtin_prefetch(codes + ahead);
+        c = (__m512bh)decode.bf16<Bits>(codes);
+      }
       if constexpr (G == kGroupRow) {  // one scale a row: applied to the sums at the end
         for (int r = 0; r < Rows; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], c, xr[r]);
       } else {
@@ -91,14 +67,24 @@ void tile(const QuantWeight& w, int64_t n0, const uint16_t* x, int64_t x_stride,
 }
 
 template <int Bits, Group G, int Out>
-void tile_rows(int rows, const QuantWeight& w, int64_t n0, const uint16_t* x, int64_t x_stride, int64_t k,
-               float sums[kRows][kOut]) {
+void tile_rows(int rows, const QuantWeight& w, int64_t n0, const uint16_t* decoded, const uint16_t* x,
+               int64_t x_stride, int64_t k, float sums[kRows][kOut]) {
   switch (rows) {
-    case 1: return tile<Bits, G, Out, 1>(w, n0, x, x_stride, k, sums);
-    case 2: return tile<Bits, G, Out, 2>(w, n0, x, x_stride, k, sums);
-    case 3: return tile<Bits, G, Out, 3>(w, n0, x, x_stride, k, sums);
-    default: return tile<Bits, G, Out, kRows>(w, n0, x, x_stride, k, sums);
+    case 1: return tile<Bits, G, Out, 1>(w, n0, decoded, x, x_stride, k, sums);
+    case 2: return tile<Bits, G, Out, 2>(w, n0, decoded, x, x_stride, k, sums);
+    case 3: return tile<Bits, G, Out, 3>(w, n0, decoded, x, x_stride, k, sums);
+    default: return tile<Bits, G, Out, kRows>(w, n0, decoded, x, x_stride, k, sums);
   }
+}
+
+template <int Bits>
+void decode_tile(const QuantWeight& w, int64_t n0, int out, int64_t k_total, uint16_t* buffer) {
+  const CodeDecoder decode;
+  for (int j = 0; j < out; ++j)
+    for (int64_t k = 0; k < k_total; k += 32) {
+      const uint8_t* codes = w.codes + (n0 + j) * w.row_bytes + (Bits == 8 ? k : k / 2);
+      _mm512_storeu_si512(buffer + j * k_total + k, decode.bf16<Bits>(codes));
+    }
 }
 
 template <typename T>
@@ -133,18 +119,25 @@ void run_tiles(const QuantWeight& w, int bits, Group group, const uint16_t* x, i
   const int64_t tiles = (n + kOut - 1) / kOut;
   const int64_t grain = std::max<int64_t>(1, 16384 / (kOut * k));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<uint16_t> buffer(rows > kRows ? kOut * k : 0);
     float sums[kRows][kOut];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t first = t * kOut;
       // a tile of kOut outputs, or the last outputs one at a time
       for (int64_t n0 = first; n0 < std::min(first + kOut, n); n0 += (n - first >= kOut ? kOut : 1)) {
         const int out = n - first >= kOut ? kOut : 1;
+        const uint16_t* decoded = nullptr;
+        if (rows > kRows) {
+          if (bits == 4) decode_tile<4>(w, n0, out, k, buffer.data());
+          else decode_tile<8>(w, n0, out, k, buffer.data());
+          decoded = buffer.data();
+        }
         for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
           const int r = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
           const uint16_t* xr = x + r0 * x_stride;
 #define LLMGW_TILE(B, G)                                                 \
-  if (out == kOut) tile_rows<B, G, kOut>(r, w, n0, xr, x_stride, k, sums); \
-  else tile_rows<B, G, 1>(r, w, n0, xr, x_stride, k, sums);
+  if (out == kOut) tile_rows<B, G, kOut>(r, w, n0, decoded, xr, x_stride, k, sums); \
+  else tile_rows<B, G, 1>(r, w, n0, decoded, xr, x_stride, k, sums);
           if (bits == 4) { LLMGW_TILE(4, kGroup32) }
           else if (group == kGroup16) { LLMGW_TILE(8, kGroup16) }
           else if (group == kGroup32) { LLMGW_TILE(8, kGroup32) }

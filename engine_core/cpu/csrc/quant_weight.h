@@ -131,11 +131,41 @@ struct QuantWeight {
 };
 
 #if defined(__AVX512BF16__)
+// bf16 bits of 0 .. 15, twice: vpermw indexes with a word's low 5 bits, and a low nibble's word still holds its
+// byte's high nibble above them
+alignas(64) inline constexpr uint16_t kNibbleBf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140,
+    0x4150, 0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110,
+    0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+struct CodeDecoder {  // the codes of a 32-block as exact bf16, in the order of k
+  const __m512i table = _mm512_loadu_si512(kNibbleBf16);
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // words 16..31
+
+  template <int Bits>
+  inline __m512i bf16(const uint8_t* p) const {
+    if constexpr (Bits == 4) {  // byte j holds code j (low nibble) and code j + 16 (high)
+      const __m256i twice = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      return _mm512_permutexvar_epi16(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(twice), shift), table);
+    } else {  // int8: through fp32, where they are exact, packed two vectors to one
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      const __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+      return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+  }
+};
+
 // the bf16 path (linear_quant_bf16.cpp): x bf16 [rows, k] with row stride x_stride, y [rows, n] with y_stride
 void run_bf16(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
               int64_t k, int64_t n, float* y, int64_t y_stride, const float* bias);
 void run_bf16(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
               int64_t k, int64_t n, at::BFloat16* y, int64_t y_stride, const float* bias);
+// the AMX path for 5-16 rows (linear_quant_amx.cpp); false where this CPU or OS has no AMX
+bool run_amx(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
+             int64_t k, int64_t n, float* y, int64_t y_stride, const float* bias);
+bool run_amx(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
+             int64_t k, int64_t n, at::BFloat16* y, int64_t y_stride, const float* bias);
 #endif
 
 }  // namespace llmgw_quant
