@@ -6,8 +6,9 @@
 // once for all the rows of a decode step (up to 8 at a time), so a decode step streams the weights at about
 // the memory's bandwidth: a step's matmuls take 0.6x oneDNN's time (on its prepacked weight) at 1-2 rows
 // and 0.8x at 4-16 on two threads (benchmarks/linear_kernel.py); from 16 rows up two output blocks share
-// each broadcast, level with oneDNN at prefill sizes. The packing (`engine_core/models/layers/linear.py`) pads N to 16 with zero rows; K must
-// be even.
+// each broadcast, level with oneDNN at prefill sizes. On a CPU with AMX, 2 rows and more run on its tiles over
+// the same layout (linear_bf16_amx.cpp). The packing (`engine_core/models/layers/linear.py`) pads N to 16 with
+// zero rows; K must be even.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,9 +19,15 @@
 #include <cstring>
 
 #if defined(__AVX512BF16__)
+bool linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* wp, int64_t blocks,
+                     int64_t k2s, float* y, int64_t n, const float* bias);
+bool linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* wp, int64_t blocks,
+                     int64_t k2s, uint16_t* y, int64_t n, const float* bias);
+
 namespace {
 
 constexpr int kRows = 8;  // rows of x per block: 8 accumulators (16 with the two-block kernel) stay in registers
+constexpr int64_t kAmxRows = 2;  // from here AMX where there is: one row streams the weight as fast on vdpbf16ps
 
 inline __m512bh pair(const uint16_t* x) {  // x[0], x[1] broadcast to all 16 lanes
   int32_t bits;
@@ -108,6 +115,8 @@ void rows_x_block_any(int rows, const uint16_t* x, int64_t x_stride, const uint1
 template <typename T>
 void run(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16_t* wp, int64_t blocks, int64_t k2s,
          T* yp, int64_t out_features, const float* bp) {
+  // more than one row: the AMX tiles, where this CPU has them (linear_bf16_amx.cpp)
+  if (rows >= kAmxRows && linear_bf16_amx(xp, x_stride, rows, wp, blocks, k2s, yp, out_features, bp)) return;
   const int64_t block_elems = k2s * 32;
   if (rows < 2 * kRows) {  // decode: every block once, all rows against it
     at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {

@@ -8,10 +8,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx.h"
 #include "quant_weight.h"
-
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -23,33 +21,8 @@ namespace {
 
 constexpr int kTileRows = 16;  // outputs per A tile, rows of x per B tile
 
-bool amx_usable() {
-  static const bool usable = [] {
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
-    // Linux hands out the tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
-  return usable;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-#define LLMGW_AMX __attribute__((target("amx-tile,amx-bf16")))
-
-// tiles 0 and 3 (C), 1 and 4 (A), 2 and 5 (B): 16 rows of 64 bytes (16 fp32, or 16 pairs of bf16). A global, so its bytes are
-// surely in memory when ldtilecfg reads them: GCC dropped a local's stores it saw no reader for.
-const TileConfig kTileConfig = [] {
-  TileConfig config;
-  for (int t = 0; t < 6; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kTileRows;
-  }
-  return config;
-}();
+// tiles 0 and 3 (C), 1 and 4 (A), 2 and 5 (B)
+const llmgw_amx::TileConfig kTileConfig = llmgw_amx::uniform_config(6);
 
 // `xb`: B per scale group, 16 pairs of inputs × 16 rows (a group of 16 fills the half of its 32-block);
 // `x_sums`: per group, the rows' sums of its inputs (16 lanes), for the mins
@@ -170,7 +143,7 @@ LLMGW_AMX void run_blocks(const QuantWeight& w, const uint32_t* xb, const float*
 template <typename T>
 bool run_amx_impl(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
                   int64_t k, int64_t n, T* y, int64_t y_stride, const float* bias) {
-  if (rows > kTileRows || x_stride % 2 != 0 || !amx_usable()) return false;
+  if (rows > kTileRows || x_stride % 2 != 0 || !llmgw_amx::usable()) return false;
   // B per scale group: pairs (k, k + 1) × 16 rows, as the tile wants them; rows past `rows`, and in a group of
   // 16 the pairs of the other half, are zero
   const int64_t group_size = group == kGroup16 ? 16 : 32;

@@ -7,10 +7,10 @@
   (`benchmarks/linear_kernel.py`). The packed copy replaces the plain weight: memory stays the same.
 - other bf16 on CPU: the weight reordered once into oneDNN's blocked layout, 1.1x (batch 128) to 1.9x
   (batch 1) faster than `F.linear` on the plain weight, with bit-identical results. On a CPU with AMX
-  (Sapphire Rapids and later) this is the faster path from 2 rows up: oneDNN's GEMM runs on the AMX tiles,
-  where `linear_bf16` took 1.5x its time at 4 rows and 8.4x at a 665-token prefill, one thread
-  (`benchmarks/linear_kernel.py`). Only a lone decode row is faster with `linear_bf16` there (0.84x); taking
-  the kernel for it alone would need both layouts, twice the weights' memory.
+  (Sapphire Rapids and later) this is the layers' path: `linear_bf16` runs 2 rows and more on the AMX tiles
+  over its own layout (`linear_bf16_amx.cpp`) and takes 0.71-0.85x oneDNN's time for a step's matmuls from 1
+  to 64 rows, but 1.39x at a 512-token prefill (`benchmarks/linear_kernel.py`, 2026-12-03), and keeping both
+  layouts would double the weights' memory. The LM head, always on `linear_bf16`, gets the tiles.
 - fp32 stays on `F.linear`: packing changes its rounding, and the fp32 path is the one checked token for
   token against transformers.
 """
