@@ -65,14 +65,13 @@ LLMGW_AMX void run_blocks(const QuantWeight& w, const uint32_t* xb, const float*
         for (int i = 0; i < kTileRows; ++i) acc[i] = _mm512_fmadd_ps(sums, _mm512_set1_ps(mins[i][g]), acc[i]);
       }
     };
-    const uint32_t* b = xb;  // B tiles in order of the scale groups
     constexpr int64_t kTile = kTileRows * kTileRows;
     if constexpr (G == kGroupRow) {  // one scale a row: the tile sums every input, scaled at the end
       _tile_zero(0);
       for (int64_t kk = 0; kk < k; kk += 32) {
         decode_a(kk, a0);
         _tile_loadd(1, a0, 64);
-        _tile_loadd(2, b + (kk / 32) * kTile, 64);
+        _tile_loadd(2, xb + (kk / 32) * kTile, 64);
         _tile_dpbf16ps(0, 1, 2);
       }
       _tile_stored(0, c0, 64);
@@ -97,17 +96,17 @@ LLMGW_AMX void run_blocks(const QuantWeight& w, const uint32_t* xb, const float*
           if (pending_pair) scale_into(c1, pending + 1);
         }
         _tile_loadd(1, a0, 64);
-        _tile_loadd(2, b + g * kTile, 64);
+        _tile_loadd(2, xb + g * kTile, 64);
         _tile_zero(0);
         _tile_dpbf16ps(0, 1, 2);
         if (pair) {
           if constexpr (G == kGroup16) {
-            _tile_loadd(5, b + (g + 1) * kTile, 64);
+            _tile_loadd(5, xb + (g + 1) * kTile, 64);
             _tile_zero(3);
             _tile_dpbf16ps(3, 1, 5);
           } else {
             _tile_loadd(4, a1, 64);
-            _tile_loadd(5, b + (g + 1) * kTile, 64);
+            _tile_loadd(5, xb + (g + 1) * kTile, 64);
             _tile_zero(3);
             _tile_dpbf16ps(3, 4, 5);
           }
@@ -124,8 +123,7 @@ LLMGW_AMX void run_blocks(const QuantWeight& w, const uint32_t* xb, const float*
     for (int i = 0; i < kTileRows; ++i) _mm512_store_ps(c0 + i * kTileRows, acc[i]);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 b16 = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(kTileRows));
+    const __m512i column = lanes_times(kTileRows);
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c0 + r, 4), b16);
       if constexpr (std::is_same_v<T, float>) {
@@ -150,8 +148,7 @@ bool run_amx_impl(const QuantWeight& w, int bits, Group group, const uint16_t* x
   const int64_t tiles = k / group_size;
   std::vector<uint32_t> xb(tiles * kTileRows * kTileRows);
   const __mmask16 present = static_cast<__mmask16>((1u << rows) - 1);
-  const __m512i row_starts = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                _mm512_set1_epi32(static_cast<int>(x_stride / 2)));
+  const __m512i row_starts = lanes_times(static_cast<int>(x_stride / 2));
   const auto* x_pairs = reinterpret_cast<const int*>(x);  // x_stride is even: the rows are whole pairs
   for (int64_t t = 0; t < tiles; ++t)
     for (int p = 0; p < kTileRows; ++p) {  // pair p of the tile's 32-block: lane m, row m's
@@ -163,17 +160,7 @@ bool run_amx_impl(const QuantWeight& w, int bits, Group group, const uint16_t* x
       _mm512_storeu_si512(xb.data() + (t * kTileRows + p) * kTileRows, v);
     }
   std::vector<float> x_sums(w.groups * kTileRows, 0.f);  // per scale group, lane m: row m's sum of its inputs
-  if (w.mins) {
-    const int64_t sum_size = k / w.groups;
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t g = 0; g < w.groups; ++g) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t i = g * sum_size; i < (g + 1) * sum_size; i += 16)
-          sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
-                                       reinterpret_cast<const __m256i*>(x + m * x_stride + i))));
-        x_sums[g * kTileRows + m] = _mm512_reduce_add_ps(sum);
-      }
-  }
+  if (w.mins) group_sums(x, x_stride, rows, k, w.groups, x_sums.data(), 1, kTileRows);
   const int64_t blocks = (n + kTileRows - 1) / kTileRows;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     const uint32_t* xp = xb.data();

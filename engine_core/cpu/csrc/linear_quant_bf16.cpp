@@ -90,20 +90,8 @@ void decode_tile(const QuantWeight& w, int64_t n0, int out, int64_t k_total, uin
 template <typename T>
 void run_tiles(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
                int64_t k, int64_t n, T* y, int64_t y_stride, const float* bias) {
-  const int64_t group_size = group == kGroupRow ? k : group == kGroup16 ? 16 : 32;
-  // each row's sums over each group, for the mins' term
-  std::vector<float> x_sums(w.mins ? rows * w.groups : 0);
-  for (int64_t r = 0; r < rows && w.mins; ++r)
-    for (int64_t g = 0; g < w.groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
-        const uint32_t u = static_cast<uint32_t>(x[r * x_stride + i]) << 16;
-        float v;
-        std::memcpy(&v, &u, sizeof v);
-        s += v;
-      }
-      x_sums[r * w.groups + g] = s;
-    }
+  std::vector<float> x_sums(w.mins ? rows * w.groups : 0);  // [rows, groups]
+  if (w.mins) group_sums(x, x_stride, rows, k, w.groups, x_sums.data(), w.groups, 1);
   auto emit = [&](float sums[kRows][kOut], int64_t n0, int out, int64_t r0, int r) {
     for (int i = 0; i < r; ++i)
       for (int j = 0; j < out; ++j) {

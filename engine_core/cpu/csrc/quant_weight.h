@@ -156,6 +156,26 @@ struct CodeDecoder {  // the codes of a 32-block as exact bf16, in the order of 
   }
 };
 
+// lane i holds i · step
+inline __m512i lanes_times(int step) {
+  return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                            _mm512_set1_epi32(step));
+}
+
+// each row's sum of each scale group's inputs, for the mins' term: sums[r · row_step + g · group_step]
+inline void group_sums(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t k, int64_t groups, float* sums,
+                       int64_t row_step, int64_t group_step) {
+  const int64_t size = k / groups;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i = g * size; i < (g + 1) * size; i += 16)
+        sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(x + r * x_stride + i))));
+      sums[r * row_step + g * group_step] = _mm512_reduce_add_ps(sum);
+    }
+}
+
 // the bf16 path (linear_quant_bf16.cpp): x bf16 [rows, k] with row stride x_stride, y [rows, n] with y_stride
 void run_bf16(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
               int64_t k, int64_t n, float* y, int64_t y_stride, const float* bias);

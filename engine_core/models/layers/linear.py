@@ -116,6 +116,9 @@ class QuantLinear:
             self.columns.append(self.columns[-1] + part.shape[0])
         self.out_features = self.columns[-1]
         self.bias = None if bias is None else bias.float()
+        # each part's slice of the bias, cut once rather than every call
+        self.part_biases = [None if self.bias is None else self.bias[c0:c1]
+                            for c0, c1 in zip(self.columns, self.columns[1:])]
         self.kernel = getattr(kernels, "linear_quant_", None)
         self.dequantize_kernel = getattr(kernels, "dequantize_quant", None)
         self.dtype = torch.float32 if fp32_out else dtype
@@ -147,7 +150,6 @@ class QuantLinear:
             out = F.linear(rows.to(dtype), self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
             return out.to(self.dtype).view(*x.shape[:-1], self.out_features)
         out = torch.empty(rows.shape[0], self.out_features, dtype=self.dtype, device=x.device)
-        for part, col0, col1 in zip(self.parts, self.columns, self.columns[1:]):
-            bias = None if self.bias is None else self.bias[col0:col1]
+        for part, col0, bias in zip(self.parts, self.columns, self.part_biases):
             self.kernel(out, col0, rows, part.codes, part.scales, part.mins, part.bits, part.group, bias)
         return out.view(*x.shape[:-1], self.out_features)
