@@ -104,6 +104,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     adapter: str | None = None  # a LoRA adapter by the name clients use (TGI adapter_id, OpenAI model); None: base
+    speculative: bool = True  # False: the engine drafts nothing for this request (where it speculates)
 
     @property
     def greedy(self) -> bool:

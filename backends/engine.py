@@ -27,12 +27,33 @@ from backends.engine_constraint import ENGINE_CONSTRAINT_KINDS, structured_outpu
 from engine_core import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, RequestError, SamplingParams
 from engine_core import TokenLogprob as EngineLogprob
 from engine_core.lora import LoraError, LoraInUseError
+from engine_core.spec_decode import SpeculativeConfig
 from engine_core.startup import StartupProgress
 
 # in-process engines are built one at a time: transformers' lazy imports are not thread-safe (two threads
 # loading tokenizers at once can get "cannot import name 'AutoTokenizer'"), and two loads would only share
 # the cores anyway
 _BUILD_LOCK = threading.Lock()
+
+
+class SpeculativeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[backends.<engine>.speculative]`, vLLM's names and meanings (engine_core/spec_decode/config.py)."""
+    method: Literal["ngram", "suffix", "draft_model"]
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = 8
+    min_acceptance_rate: float = 0.15
+    suffix_max_tree_depth: int = 24
+    suffix_max_cached_requests: int = 10000
+    suffix_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        self.config()  # a bad table is refused when the config is read
+
+    def config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(**msgspec.structs.asdict(self))
 
 
 class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -62,6 +83,7 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # divided among them), behind one balancer (backends/pool/balance.py explains the policies)
     replicas: int = 1
     balance: Literal["round_robin", "least_load", "prefix"] = "prefix"
+    speculative: SpeculativeSettings | None = None  # speculative decoding; absent: off
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -76,6 +98,8 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         except ValueError as exc:
             return f"model {self.model}; {exc}"
         served = f"model {self.model}, dtype {self.dtype} -> {str(dtype).removeprefix('torch.')} ({reason})"
+        if self.speculative is not None:
+            served += f"; speculative decoding {self.speculative.config().describe()}"
         return served + (f"; {self.replicas} worker processes, balance {self.balance}" if self.replicas > 1 else "")
 
     def engine_config(self) -> EngineConfig:
@@ -86,7 +110,8 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
                             enable_prefix_caching=self.enable_prefix_caching, num_threads=self.num_threads,
                             attention_backend=self.attention_backend, device=self.device,
                             cuda_graphs=self.cuda_graphs, lora_adapters=dict(self.lora_adapters),
-                            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+                            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            speculative=self.speculative.config() if self.speculative else None)
 
 
 class EngineBackend:
@@ -130,6 +155,11 @@ class EngineBackend:
             return None
         return f"{current[0]} ({current[1]:.0f} s so far)" if current else "starting"
 
+    def speculative(self) -> str | None:
+        """How the engine speculates, for /info; None: it does not."""
+        spec = self.settings.speculative
+        return spec.config().describe() if spec is not None else None
+
     def dtype(self) -> tuple[str, str] | None:
         """The weights' dtype and why, once loaded."""
         if self.engine is None:
@@ -167,7 +197,7 @@ class EngineBackend:
             ignore_eos=request.ignore_eos, stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
             logprobs=request.top_logprobs if (request.logprobs or request.top_logprobs) else None,
             prompt_logprobs=request.prompt_logprobs, structured_outputs=structured_outputs(request.constraint),
-            adapter=request.adapter)
+            adapter=request.adapter, speculative=request.speculative)
         prompt: str | list[int] | None = request.prompt_token_ids or request.prompt
         if prompt is None:
             raise BackendValidationError("the engine backend needs a prompt; chat is rendered by the gateway")

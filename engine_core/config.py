@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_core.cpu.features import cpu_features
+from engine_core.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -39,6 +40,7 @@ class EngineConfig:
     lora_adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT adapter directory, loaded at start
     max_loras: int = 4  # distinct LoRA adapters in one step (more wait for a later step)
     max_lora_rank: int = 16  # adapters of a higher rank are refused
+    speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -27,13 +27,15 @@ from engine_core.loader import (
     resolve_model_dir,
 )
 from engine_core.lora import LoraAdapter, LoraError, LoraInUseError, LoraRegistry
-from engine_core.model_runner import ModelRunner
+from engine_core.model_runner import ModelRunner, VerifyBatch
 from engine_core.models.registry import build_model, load_model_args
 from engine_core.outputs import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from engine_core.sampling.params import SamplingParams
 from engine_core.sampling.sampler import Sampler
 from engine_core.scheduler import ScheduledBatch, Scheduler
-from engine_core.sequence import Sequence
+from engine_core.sequence import Sequence, SequenceStatus
+from engine_core.spec_decode import SpecDecoder, build_spec_decoder, draft_accepted
+from engine_core.spec_decode.draft_model import DraftModelProposer
 from engine_core.startup import StartupProgress
 from engine_core.structured.compiler import GrammarCompiler, GrammarError
 from engine_core.structured.matcher import GrammarState
@@ -132,6 +134,17 @@ class LLMEngine:
             with progress.step("capturing CUDA graphs for decode"):
                 self.runner.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_model_len,
                                                   config.block_size)
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:
+            draft = None
+            if config.speculative.method == "draft_model":
+                with progress.step(f"loading the draft model {config.speculative.model}"):
+                    draft = DraftModelProposer(
+                        config.speculative.model or "", self.tokenizer.get_vocab(), self.model_args.vocab_size, dtype,
+                        self.max_model_len, select_attention(config, self.device), self.device, config.quantization,
+                        num_blocks, config.block_size)
+            self.spec = build_spec_decoder(config.speculative, self.max_model_len, draft)
+            log.info("engine: speculative decoding, %s", config.speculative.describe())
         self.seqs: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
@@ -243,6 +256,8 @@ class LLMEngine:
         self.detokenizers.pop(seq.request_id, None)
         self.seqs.pop(seq.request_id, None)
         self.runner.forget(seq.request_id)
+        if self.spec is not None:
+            self.spec.finish(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -254,14 +269,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        sampled, result = self.runner.run(batch)
-        outputs = self.postprocess(batch, sampled, result)
+        outputs = self.postprocess(batch, *self.runner.run(batch))
+        if self.spec is not None:  # drafts for the next step, from the sequences that just sampled
+            self.spec.propose([s for s in batch.seqs if s.status == SequenceStatus.RUNNING
+                               and s.num_computed_tokens == s.num_tokens - 1], len(self.scheduler.running))
         self.last_step = StepStats(len(batch.seqs), batch.total_tokens, time.perf_counter() - started)
         return outputs
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], result: Any) -> list[RequestOutput]:
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], result: Any,
+                    verify: VerifyBatch | None = None) -> list[RequestOutput]:
+        drafts = batch.spec_token_ids or [[]] * len(batch.seqs)
+        for seq, n, draft in zip(batch.seqs, batch.num_new_tokens, drafts):
+            seq.num_computed_tokens += n - len(draft)  # a draft's KV counts once it is verified
             self.block_manager.cache_full_blocks(seq)
         outputs = []
         for i, seq in enumerate(sampled):
@@ -269,6 +288,42 @@ class LLMEngine:
             first = seq.num_output_tokens == 0
             seq.token_ids.append(token)
             outputs.append(self._output(seq, token, result.logprobs[i], result.top_logprobs[i], first))
+        if verify is not None:
+            outputs.extend(self._verify(verify))
+        return outputs
+
+    def _verify(self, verify: VerifyBatch) -> list[RequestOutput]:
+        """Emit each drafting sequence's tokens position by position: sample the position as speculation-off
+        would (spec_decode/decoder.py says why that is exact), keep going while it matches the draft. A
+        rejected position's KV slot stays allocated and is overwritten next step."""
+        assert self.spec is not None
+        outputs = []
+        alive = list(range(len(verify.seqs)))
+        position = 0
+        while alive:
+            rows = [verify.offsets[i] + position for i in alive]
+            seqs = [verify.seqs[i] for i in alive]
+            result = self.runner.sampler(verify.logits[rows], seqs)
+            still = []
+            for j, i in enumerate(alive):
+                seq, draft = seqs[j], verify.drafts[i]
+                sampled = result.token_ids[j]
+                accepted = position < len(draft) and draft_accepted(sampled, draft[position], verify.logits[rows[j]])
+                token = draft[position] if accepted else sampled
+                seq.token_ids.append(token)
+                output = self._output(seq, token, result.logprobs[j], result.top_logprobs[j], False)
+                outputs.append(output)
+                if accepted:
+                    seq.num_computed_tokens += 1
+                if accepted and output.finish_reason is None:
+                    still.append(i)
+                    continue
+                finished = output.finish_reason is not None
+                self.spec.record(seq, len(draft), position + int(accepted), position + 1, finished)
+                if not finished:
+                    self.block_manager.cache_full_blocks(seq)
+            alive = still
+            position += 1
         return outputs
 
     def _output(self, seq: Sequence, token: int, logprob: float | None, top: list, first: bool) -> RequestOutput:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,18 @@ class PreparedBatch:
     sample_seqs: list[Sequence]
     prompt_rows: dict[int, tuple[int, int]]  # seq index -> rows whose logits score prompt tokens
     lora: LoraBatch | None = None  # each row's adapter delta; None when no row has an adapter
+    verify_rows: list[int] = field(default_factory=list)  # each drafting sequence's last 1 + len(drafts) rows
+    verify_seqs: list[Sequence] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class VerifyBatch:
+    """What a step's drafting sequences verify: logits[offsets[i] + j] scores the position of drafts[i][j]
+    (and the row after a sequence's last draft, its bonus token)."""
+    seqs: list[Sequence]
+    drafts: list[list[int]]
+    offsets: list[int]
+    logits: torch.Tensor
 
 
 class ModelRunner:
@@ -45,9 +57,13 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prompt_rows: dict[int, tuple[int, int]] = {}
+        verify_rows: list[int] = []
+        verify_seqs: list[Sequence] = []
         for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
+            drafts = batch.spec_token_ids[index] if batch.spec_token_ids else []
+            input_ids.extend(seq.token_ids[start:end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -56,7 +72,10 @@ class ModelRunner:
                 prompt_rows[index] = (cu_seqlens[-1], cu_seqlens[-1] + last - start)
             cu_seqlens.append(cu_seqlens[-1] + n)
             seq_lens.append(end)
-            if end == seq.num_tokens:
+            if drafts:
+                verify_rows.extend(range(cu_seqlens[-1] - len(drafts) - 1, cu_seqlens[-1]))
+                verify_seqs.append(seq)
+            elif end == seq.num_tokens:
                 sample_rows.append(cu_seqlens[-1] - 1)
                 sample_seqs.append(seq)
         width = max(len(s.block_table) for s in batch.seqs)
@@ -79,9 +98,11 @@ class ModelRunner:
             lora = self.loras.batch([s.lora for s in batch.seqs], batch.num_new_tokens)
         return PreparedBatch(torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
                              torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
-                             meta, sample_rows, sample_seqs, prompt_rows, lora)
+                             meta, sample_rows, sample_seqs, prompt_rows, lora, verify_rows, verify_seqs)
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None, VerifyBatch | None]:
+        """Sample the sequences without drafts; hand back the logits of those with drafts, which the engine
+        verifies position by position (each position's sampling sees the tokens emitted before it)."""
         prepared = self.prepare(batch)
         hidden = None
         if self.graphs is not None and prepared.lora is None:  # graphs were captured without adapters
@@ -90,10 +111,20 @@ class ModelRunner:
             hidden = self.model.forward(prepared.input_ids, prepared.positions, prepared.meta, prepared.lora)
         for index, (first, last) in prepared.prompt_rows.items():
             self._score_prompt(batch.seqs[index], self.model.compute_logits(hidden[first:last]))
-        if not prepared.sample_seqs:
-            return [], None
-        logits = self.model.compute_logits(hidden[prepared.sample_rows])
-        return prepared.sample_seqs, self.sampler(logits, prepared.sample_seqs)
+        rows = prepared.sample_rows + prepared.verify_rows
+        if not rows:
+            return [], None, None
+        logits = self.model.compute_logits(hidden[rows])  # one LM-head call for sampled and verified rows
+        sampled = len(prepared.sample_rows)
+        result = self.sampler(logits[:sampled], prepared.sample_seqs) if sampled else None
+        verify = None
+        if prepared.verify_seqs:
+            drafts = [d for d in batch.spec_token_ids if d]
+            offsets = [0]
+            for draft in drafts[:-1]:
+                offsets.append(offsets[-1] + len(draft) + 1)
+            verify = VerifyBatch(prepared.verify_seqs, drafts, offsets, logits[sampled:])
+        return prepared.sample_seqs, result, verify
 
     def _score_prompt(self, seq: Sequence, logits: torch.Tensor) -> None:
         start = seq.num_computed_tokens

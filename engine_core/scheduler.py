@@ -4,13 +4,17 @@ There is no prefill or decode phase. Each running sequence is given the tokens i
 KV for (its whole prompt, a chunk of it, or the one token sampled last step), running sequences
 first, then waiting ones in arrival order. When blocks run out the most recently admitted
 running sequence is preempted: its blocks are freed and it is recomputed later.
+
+A decoding sequence with drafts (speculative decoding) is given its last token and its drafts, inside
+the same budget (vLLM's num_tokens_with_spec); drafts that do not fit the budget or the free blocks are
+cut, never a reason to preempt.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine_core.block_manager import BlockManager
 from engine_core.sequence import Sequence, SequenceStatus
@@ -19,7 +23,8 @@ from engine_core.sequence import Sequence, SequenceStatus
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens to compute for each sequence this step
+    num_new_tokens: list[int]  # tokens to compute for each sequence this step, its drafts included
+    spec_token_ids: list[list[int]] = field(default_factory=list)  # the drafts each verifies ([]: none)
 
     @property
     def total_tokens(self) -> int:
@@ -59,7 +64,11 @@ class Scheduler:
             if seq.lora is not None and not adapter_fits(seq):  # a step holds max_loras adapters: next step
                 index += 1
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            lacking = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(lacking + len(seq.spec_token_ids), budget)
+            if num_new > lacking and not self.block_manager.can_allocate(seq, num_new):
+                num_new = min(lacking, budget)
+            drafts = seq.spec_token_ids[:max(0, num_new - lacking)]
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running.pop()  # the last admitted; never one already scheduled
                 self._preempt(victim)
@@ -70,6 +79,7 @@ class Scheduler:
                 self.block_manager.allocate(seq, num_new)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
+                batch.spec_token_ids.append(drafts)
                 budget -= num_new
                 index += 1
                 if seq.lora is not None:
@@ -94,6 +104,7 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
+            batch.spec_token_ids.append([])
             budget -= num_new
             if seq.lora is not None:
                 adapters.add(seq.lora.uid)
@@ -102,6 +113,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -47,6 +47,7 @@ class Sequence:
     num_preemptions: int = 0
     grammar: GrammarState | None = None  # set for a constrained request; dropped when it finishes
     lora: LoraAdapter | None = None  # the adapter it runs with (SamplingParams.adapter, resolved); None: the base
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (speculative decoding)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -166,9 +166,13 @@ def bench(argv: list[str]) -> int:
             with ResourceSampler(pid=args.pid, metrics_url=metrics_url, interval=args.sample_interval,
                                  headers=headers) as sampler:
                 results, duration = asyncio.run(run_load(target, samples, load, seed=args.seed,
-                                                         on_done=lambda _r, t=task: progress.advance(t)))
+                                                         on_done=lambda _r, t=task: progress.advance(t),
+                                                         on_start=sampler.mark_start))
+            summary = summarize(results, duration, slo)
+            if (spec := sampler.spec_decode()) is not None:
+                summary["spec_decode"] = spec
             runs.append({"label": load.label, "concurrency": load.concurrency, "request_rate": load.request_rate,
-                         "summary": summarize(results, duration, slo),
+                         "summary": summary,
                          "requests": [r.as_json() for r in results],
                          "resources": {"samples": sampler.samples, "summary": sampler.summary(),
                                        "notes": sampler.notes}})

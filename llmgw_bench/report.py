@@ -23,6 +23,10 @@ for _metric, _name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT (excl. 1st token)"),
                        ("e2el_s", "E2E latency")):
     for _stat in ("mean", "p50", "p90", "p95", "p99"):
         ROWS.append((f"{_name} {_stat} (ms)", (_metric, _stat), 1000))
+# the server's speculative decoding over the measured requests, where its /metrics has the counters
+for _key, _name in (("drafts", "drafts"), ("draft_tokens", "draft tokens"), ("accepted_tokens", "accepted tokens"),
+                    ("acceptance_rate", "acceptance rate"), ("mean_acceptance_length", "mean acceptance length")):
+    ROWS.append((f"Spec decode {_name}", ("spec_decode", _key), 1))
 
 
 def value_at(summary: dict[str, Any], path: tuple[str, ...], scale: float) -> float | None:

@@ -4,7 +4,8 @@
   a child process) and resident memory, through psutil.
 - GPUs: utilization and memory through NVML, when a driver is present.
 - The server's `/metrics`: KV-cache usage, waiting and running requests, under this gateway's, vLLM's or
-  TGI's names (TGI exports no KV usage).
+  TGI's names (TGI exports no KV usage); and speculative decoding's counters (this gateway's or vLLM's),
+  scraped when the measured requests start and after they end.
 """
 
 from __future__ import annotations
@@ -22,9 +23,16 @@ SERVER_GAUGES = {
     "running": ("llmgw_engine_running_seqs", "vllm:num_requests_running", "tgi_batch_current_size"),
 }
 
+SPEC_COUNTERS = {
+    "drafts": ("llmgw_engine_spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total"),
+    "draft_tokens": ("llmgw_engine_spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
+    "accepted_tokens": ("llmgw_engine_spec_decode_num_accepted_tokens_total",
+                        "vllm:spec_decode_num_accepted_tokens_total"),
+}
 
-def parse_server_gauges(text: str) -> dict[str, float]:
-    """The first known name present for each gauge, summed over its label sets (one per backend)."""
+
+def _known(text: str, table: dict[str, tuple[str, ...]]) -> dict[str, float]:
+    """The first known name present for each figure, summed over its label sets (one per backend)."""
     found: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -32,12 +40,33 @@ def parse_server_gauges(text: str) -> dict[str, float]:
             key = repr(sorted(sample.labels.items()))
             found[sample.name][key] = float(sample.value)
     values = {}
-    for gauge, names in SERVER_GAUGES.items():
+    for figure, names in table.items():
         for name in names:
             if name in found:
-                values[gauge] = sum(found[name].values())
+                values[figure] = sum(found[name].values())
                 break
     return values
+
+
+def parse_server_gauges(text: str) -> dict[str, float]:
+    return _known(text, SERVER_GAUGES)
+
+
+def parse_spec_counters(text: str) -> dict[str, float]:
+    """Speculative decoding's cumulative counters, summed over backends; {} where the server has none."""
+    values = _known(text, SPEC_COUNTERS)
+    return values if len(values) == len(SPEC_COUNTERS) else {}
+
+
+def spec_acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None] | None:
+    """The counters' growth between two scrapes, with vLLM's acceptance rate (accepted / draft tokens) and
+    mean acceptance length (1 + accepted / drafts); None without counters."""
+    if not after:
+        return None
+    grown = {figure: after[figure] - before.get(figure, 0.0) for figure in SPEC_COUNTERS}
+    drafts, drafted, accepted = grown["drafts"], grown["draft_tokens"], grown["accepted_tokens"]
+    return {**grown, "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
 
 class ResourceSampler:
@@ -51,6 +80,7 @@ class ResourceSampler:
         self._thread = threading.Thread(target=self._loop, name="llmgw-bench-resources", daemon=True)
         self._processes: dict[int, Any] = {}
         self._nvml: Any = None
+        self._spec_before: dict[str, float] | None = None
 
     def __enter__(self) -> ResourceSampler:
         self._open_sources()
@@ -89,6 +119,23 @@ class ResourceSampler:
             except (httpx.HTTPError, ValueError) as exc:
                 self.notes.append(f"{self.metrics_url}: {exc}")
                 self.metrics_url = None
+
+    def mark_start(self) -> None:
+        """The measured requests start (the warm-up is over): speculative decoding's counters now."""
+        self._spec_before = self._spec_counters()
+
+    def spec_decode(self) -> dict[str, float | None] | None:
+        """Speculative decoding over the measured requests (call after they end); None where the server
+        reports none."""
+        return None if self._spec_before is None else spec_acceptance(self._spec_before, self._spec_counters())
+
+    def _spec_counters(self) -> dict[str, float]:
+        if self.metrics_url is None:
+            return {}
+        try:
+            return parse_spec_counters(httpx.get(self.metrics_url, headers=self.headers, timeout=5).text)
+        except (httpx.HTTPError, ValueError):
+            return {}
 
     def _loop(self) -> None:
         with httpx.Client(headers=self.headers, timeout=5) as client:

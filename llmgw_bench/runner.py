@@ -59,8 +59,10 @@ def arrival_times(count: int, rate: float, burstiness: float, seed: int) -> list
 
 
 async def run_load(target: Target, samples: list[Sample], load: LoadSpec, *, seed: int = 0,
-                   on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
-    """The measured requests and the run's duration (first send to last answer)."""
+                   on_done: Callable[[RequestResult], None] | None = None,
+                   on_start: Callable[[], None] | None = None) -> tuple[list[RequestResult], float]:
+    """The measured requests and the run's duration (first send to last answer); `on_start` is called after
+    the warm-up, before the first measured request."""
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=target.timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=target.headers) as session:
@@ -74,6 +76,8 @@ async def run_load(target: Target, samples: list[Sample], load: LoadSpec, *, see
         if load.warmup:
             width = load.concurrency or load.max_concurrency or load.warmup
             await _closed_loop(one, cycle, width, load.warmup, None)
+        if on_start is not None:
+            on_start()
         zero = time.perf_counter()
         if load.concurrency:
             results = await _closed_loop(one, cycle, load.concurrency, load.num_requests, load.duration, zero, on_done)

@@ -82,6 +82,7 @@ def test_engine_and_backend_state_are_exported(observed) -> None:
     assert one(text, "llmgw_engine_step_seconds_count", backend="local") >= 6
     assert one(text, "llmgw_engine_preemptions_total", backend="local") == 0
     assert one(text, "llmgw_backend_healthy", backend="local") == 1
+    assert "llmgw_engine_spec_decode" not in text  # no speculation configured: no such families
 
 
 def test_tgi_metric_names_types_and_no_total_suffix(observed) -> None:

@@ -238,6 +238,10 @@ class EngineWorkerBackend:
     def dtype(self) -> tuple[str, str] | None:
         return self._dtype
 
+    def speculative(self) -> str | None:
+        spec = self.settings.speculative
+        return spec.config().describe() if spec is not None else None
+
     async def health(self) -> bool:
         load = self._load
         return (self.state == "ready" and load is not None and load.ready

@@ -26,6 +26,17 @@ class StepFigures(msgspec.Struct, frozen=True, array_like=True):
     seconds: float
 
 
+class SpecFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """Speculative decoding's cumulative counters (engine_core's `SpecCounters`) and its method."""
+
+    method: str  # "ngram", "suffix", "draft_model"
+    num_drafts: int = 0  # verify passes that had drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # accepted + one per verify pass
+    accepted_per_pos: list[int] = []  # [i]: verify passes that accepted at least i + 1 drafts
+
+
 class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's figures, sent with each step's tokens, after aborts and as a heartbeat; what the
     gateway's engine metrics read and what a replica balancer weighs."""
@@ -45,6 +56,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     total_steps: int = 0
     steps: list[StepFigures] = []  # the steps since the last load message, in order
     adapters: Any = None  # the backend's `adapters()`, where it has that method; None: unchanged (a step's)
+    spec: SpecFigures | None = None  # speculative decoding's counters; None: off
 
     @property
     def kv_usage(self) -> float:

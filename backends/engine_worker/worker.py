@@ -36,6 +36,7 @@ from backends.engine_worker.messages import (
     Ready,
     Reply,
     Shutdown,
+    SpecFigures,
     StartFailed,
     StepFigures,
     Tokens,
@@ -111,7 +112,8 @@ class Worker:
         return WorkerLoad(ready=backend.engine.alive, running=len(scheduler.running), waiting=len(scheduler.waiting),
                           kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
                           all_blocks_free=bm.check_all_free(), prefix_cache_queries=bm.prefix_queries,
-                          prefix_cache_hits=bm.prefix_hits, preemptions=scheduler.num_preemptions, **base)
+                          prefix_cache_hits=bm.prefix_hits, preemptions=scheduler.num_preemptions,
+                          spec=_spec_figures(llm), **base)
 
     def send_load(self) -> None:
         self.flush()  # the events first, and the figures that go with them
@@ -236,6 +238,16 @@ class Worker:
         self.inbox.close(linger=0)
         self.context.term()
         return code
+
+
+def _spec_figures(llm: LLMEngine) -> SpecFigures | None:
+    spec = llm.spec
+    if spec is None:
+        return None
+    c = spec.counters
+    return SpecFigures(method=spec.config.method, num_drafts=c.num_drafts, num_draft_tokens=c.num_draft_tokens,
+                       num_accepted_tokens=c.num_accepted_tokens, num_emitted_tokens=c.num_emitted_tokens,
+                       accepted_per_pos=list(c.accepted_per_pos))
 
 
 def _adapters(backend: EngineBackend) -> Any:

@@ -32,6 +32,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this constraint
     adapter: str | None = None  # the name of a loaded LoRA adapter; None: the base model
+    speculative: bool = True  # False: never draft for this request, where the engine speculates
 
     @property
     def greedy(self) -> bool:

@@ -46,6 +46,17 @@ class GrammarState:
         self.rejected = self.rejected or not ok
         return ok
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` the grammar accepts in a row from here; the matcher is rolled back after."""
+        accepted = 0
+        for token in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return accepted
+
     @property
     def finished(self) -> bool:
         """The grammar accepted a stop token (it is complete) or cannot go on."""

@@ -149,3 +149,4 @@ class Info(msgspec.Struct, kw_only=True):
     config_version: str | None = None  # llm-gateway's: the active config (as in x-config-version)
     model_dtype: str | None = None  # as older TGIs reported it; the engine's weights dtype
     dtype_reason: str | None = None  # llm-gateway's: why that dtype ("auto: the CPU has native bf16 ...")
+    speculative: str | None = None  # llm-gateway's: the engine's speculative decoding ("ngram: up to 5 ..."); None: off

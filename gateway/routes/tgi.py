@@ -245,8 +245,10 @@ class TgiController(Controller):
         route = gateway.router.require(None)
         server = gateway.config.server
         dtype = getattr(route.backend, "dtype", lambda: None)()  # only the engine knows its weights' dtype
+        speculative = getattr(route.backend, "speculative", lambda: None)()
         return Info(model_id=route.name, model_dtype=dtype[0] if dtype else None,
-                    dtype_reason=dtype[1] if dtype else None, max_concurrent_requests=server.max_concurrent_requests,
+                    dtype_reason=dtype[1] if dtype else None, speculative=speculative,
+                    max_concurrent_requests=server.max_concurrent_requests,
                     max_best_of=server.max_best_of, max_stop_sequences=server.max_stop_sequences,
                     max_input_tokens=route.max_input_tokens, max_total_tokens=route.max_total_tokens,
                     max_client_batch_size=server.max_client_batch_size, version=__version__,

@@ -1,6 +1,6 @@
 """Prometheus metrics (`prometheus_client`), one registry per gateway: requests, latencies and
 tokens per model and backend; fallbacks and shadow comparisons; remote backend errors, health and
-circuits; the engine's scheduler and KV cache; optionally TGI's own metric names."""
+circuits; the engine's scheduler, KV cache and speculative decoding; optionally TGI's own metric names."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def counter(name: str, doc: str, labels: list[str], values: list[tuple[list[str]
 
 
 def engine_state(engines: Callable[[], dict[str, Any]]) -> Callable[[], Iterator[Metric]]:
-    """Scheduler and KV-cache figures of every loaded engine backend, read at scrape time."""
+    """Scheduler, KV-cache and speculative-decoding figures of every loaded engine backend, read at scrape time."""
 
     def collect() -> Iterator[Metric]:
         rows = [(name, llm) for name, llm in engines().items() if llm is not None]
@@ -141,5 +141,30 @@ def engine_state(engines: Callable[[], dict[str, Any]]) -> Callable[[], Iterator
                       [([n], b.prefix_hits) for n, b in bm])
         yield counter("llmgw_engine_preemptions", "Sequences preempted (recomputed later)", ["backend"],
                       [([n], llm.scheduler.num_preemptions) for n, llm in rows])
+        yield from spec_decode_state(rows)
 
     return collect
+
+
+SPEC_COUNTERS = (("num_drafts", "Verify passes that had drafts"),
+                 ("num_draft_tokens", "Draft tokens verified"),
+                 ("num_accepted_tokens", "Draft tokens accepted"),
+                 ("num_emitted_tokens", "Tokens emitted by verify passes: the accepted ones and one more each"))
+
+
+def spec_decode_state(rows: list[tuple[str, Any]]) -> Iterator[Metric]:
+    """vLLM's `spec_decode` counters of the engines that speculate (`llm.spec`: the engine's SpecDecoder, or a
+    worker's figures of the same shape), by backend and method; nothing when none does."""
+    speculating = [(n, spec) for n, llm in rows if (spec := getattr(llm, "spec", None)) is not None]
+    specs = [(n, spec.config.method, spec.counters) for n, spec in speculating]
+    if not specs:
+        return
+    labels = ["backend", "method"]
+    for figure, doc in SPEC_COUNTERS:
+        yield counter(f"llmgw_engine_spec_decode_{figure}", doc, labels,
+                      [([n, m], getattr(c, figure)) for n, m, c in specs])
+    yield counter("llmgw_engine_spec_decode_num_accepted_tokens_per_pos", "Verify passes that accepted the draft "
+                  "at this position (0-based) and all before it", [*labels, "position"],
+                  [([n, m, str(i)], v) for n, m, c in specs for i, v in enumerate(c.accepted_per_pos)])
+    yield gauge("llmgw_engine_spec_decode_mean_acceptance_length", "Tokens a verify pass yields: 1 + accepted / "
+                "drafts (0 before the first)", labels, [([n, m], c.mean_acceptance_length()) for n, m, c in specs])

@@ -1,0 +1,63 @@
+"""`[backends.<engine>.speculative]`: which proposer drafts tokens, how many, and when to stop drafting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram", "suffix", "draft_model")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str  # "ngram" (prompt lookup), "suffix" (an index over recent requests), "draft_model"
+    num_speculative_tokens: int = 5  # most drafts verified a step (vLLM requires it; 5 as its n-gram example)
+    # n-gram: the longest suffix n-gram in [min, max] that occurred earlier; vLLM: both 5 when neither is set,
+    # one mirrors the other when only one is
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # draft_model: a smaller model with the same tokenizer, run by this engine
+    # speculate only while fewer requests than this are running: a busy step is compute-bound, and drafts
+    # there cost what they save (vLLM #19254). None: always
+    disable_by_batch_size: int | None = 8
+    # acceptance-aware: a request whose recent drafts were accepted less than this (an exponential average of
+    # accepted / drafted) stops drafting, and tries again after a back-off that doubles each time
+    min_acceptance_rate: float = 0.15
+    # suffix: SuffixDecoding's knobs with vLLM's defaults
+    suffix_max_tree_depth: int = 24
+    suffix_max_cached_requests: int = 10000
+    suffix_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r}: use one of {', '.join(METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError("num_speculative_tokens must be in [1, 32]")
+        low, high = self.lookup_range()
+        if not 1 <= low <= high:
+            raise ValueError("prompt_lookup_min must be >= 1 and <= prompt_lookup_max")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("`model` names the draft for method = \"draft_model\", and only for it")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
+        if not 0 <= self.min_acceptance_rate < 1:
+            raise ValueError("min_acceptance_rate must be in [0, 1)")
+        if self.suffix_max_tree_depth < 1 or self.suffix_max_cached_requests < 0:
+            raise ValueError("suffix_max_tree_depth must be >= 1 and suffix_max_cached_requests >= 0")
+        if not 0 <= self.suffix_min_token_prob <= 1:
+            raise ValueError("suffix_min_token_prob must be in [0, 1]")
+
+    def lookup_range(self) -> tuple[int, int]:
+        """(prompt_lookup_min, prompt_lookup_max) with vLLM's defaults filled in."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return 5, 5
+        return (low if low is not None else high), (high if high is not None else low)  # type: ignore[return-value]
+
+    def describe(self) -> str:
+        low, high = self.lookup_range()
+        detail = {"ngram": f"prompt lookup n-gram {low}-{high}",
+                  "suffix": f"suffix index over the last {self.suffix_max_cached_requests} requests",
+                  "draft_model": f"draft model {self.model}"}[self.method]
+        busy = (f", off from {self.disable_by_batch_size} running requests" if self.disable_by_batch_size
+                else "")
+        return f"{self.method}: up to {self.num_speculative_tokens} draft tokens a step ({detail}){busy}"
