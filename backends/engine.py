@@ -44,7 +44,7 @@ class SpeculativeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     prompt_lookup_max: int | None = None
     model: str | None = None
     disable_by_batch_size: int | None = 8
-    min_acceptance_rate: float = 0.15
+    min_accepted_tokens: float = 1.0
     suffix_max_tree_depth: int = 24
     suffix_max_cached_requests: int = 10000
     suffix_min_token_prob: float = 0.1

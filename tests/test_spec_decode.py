@@ -255,7 +255,7 @@ def test_sampled_output_follows_the_distribution_without_speculation(bigram_dir:
     off = engine_with(bigram_dir, None, num_blocks=4000, max_num_seqs=SAMPLES)
     on = engine_with(bigram_dir, SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                                                  prompt_lookup_max=2, disable_by_batch_size=None,
-                                                 min_acceptance_rate=0.0),
+                                                 min_accepted_tokens=0.0),
                      num_blocks=4000, max_num_seqs=SAMPLES)
     # the prompt repeats the model's own greedy continuation, so n-gram drafts are likely tokens
     seed_prompt = on.tokenize("The cat")

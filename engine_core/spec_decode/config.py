@@ -19,9 +19,10 @@ class SpeculativeConfig:
     # speculate only while fewer requests than this are running: a busy step is compute-bound, and drafts
     # there cost what they save (vLLM #19254). None: always
     disable_by_batch_size: int | None = 8
-    # acceptance-aware: a request whose recent drafts were accepted less than this (an exponential average of
-    # accepted / drafted) stops drafting, and tries again after a back-off that doubles each time
-    min_acceptance_rate: float = 0.15
+    # acceptance-aware: a request whose recent verify passes accepted fewer drafts than this on average (an
+    # exponential average) stops drafting, and tries again after a back-off that doubles each time. A pass
+    # of 1 + 5 rows costs ~1.9x a 1-row step on a 2-core CPU (BENCHMARKS.md), so it must yield ~1.9 tokens
+    min_accepted_tokens: float = 1.0
     # suffix: SuffixDecoding's knobs with vLLM's defaults
     suffix_max_tree_depth: int = 24
     suffix_max_cached_requests: int = 10000
@@ -39,8 +40,8 @@ class SpeculativeConfig:
             raise ValueError("`model` names the draft for method = \"draft_model\", and only for it")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be >= 1")
-        if not 0 <= self.min_acceptance_rate < 1:
-            raise ValueError("min_acceptance_rate must be in [0, 1)")
+        if not 0 <= self.min_accepted_tokens <= self.num_speculative_tokens:
+            raise ValueError("min_accepted_tokens must be in [0, num_speculative_tokens]")
         if self.suffix_max_tree_depth < 1 or self.suffix_max_cached_requests < 0:
             raise ValueError("suffix_max_tree_depth must be >= 1 and suffix_max_cached_requests >= 0")
         if not 0 <= self.suffix_min_token_prob <= 1:

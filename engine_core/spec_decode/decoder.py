@@ -58,7 +58,7 @@ class SpecCounters:
 
 @dataclass(slots=True)
 class Acceptance:
-    rate: float = 1.0  # exponential average of accepted / drafted
+    accepted: float = float("inf")  # exponential average of the drafts a verify pass accepts; inf: none yet
     paused_for: int = 0  # steps left without drafts
     backoff: int = 1
 
@@ -117,11 +117,13 @@ class SpecDecoder:
         if finished:
             return
         state = self.acceptance.setdefault(seq.request_id, Acceptance())
-        state.rate = ACCEPTANCE_DECAY * state.rate + (1 - ACCEPTANCE_DECAY) * accepted / drafted
-        if state.rate < self.config.min_acceptance_rate:  # not paying for its rows: wait, longer each time
+        past = state.accepted if state.accepted != float("inf") else accepted
+        state.accepted = ACCEPTANCE_DECAY * past + (1 - ACCEPTANCE_DECAY) * accepted
+        floor = self.config.min_accepted_tokens
+        if state.accepted < floor:  # not paying for its rows: wait, longer each time
             state.paused_for = state.backoff
             state.backoff = min(2 * state.backoff, MAX_BACKOFF)
-            state.rate = self.config.min_acceptance_rate  # one good pass after the pause resumes it
+            state.accepted = floor  # one good pass after the pause resumes it
         elif accepted:
             state.backoff = 1
 
