@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -36,26 +37,6 @@ from engine_core.startup import StartupProgress
 _BUILD_LOCK = threading.Lock()
 
 
-class SpeculativeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`[backends.<engine>.speculative]`, vLLM's names and meanings (engine_core/spec_decode/config.py)."""
-    method: Literal["ngram", "suffix", "draft_model"]
-    num_speculative_tokens: int = 5
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-    model: str | None = None
-    disable_by_batch_size: int | None = 8
-    min_accepted_tokens: float = 1.0
-    suffix_max_tree_depth: int = 24
-    suffix_max_cached_requests: int = 10000
-    suffix_min_token_prob: float = 0.1
-
-    def __post_init__(self) -> None:
-        self.config()  # a bad table is refused when the config is read
-
-    def config(self) -> SpeculativeConfig:
-        return SpeculativeConfig(**msgspec.structs.asdict(self))
-
-
 class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     type: str = "engine"
     model: str = "embedded"  # "embedded", a local HF directory, or a hub id
@@ -83,9 +64,11 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # divided among them), behind one balancer (backends/pool/balance.py explains the policies)
     replicas: int = 1
     balance: Literal["round_robin", "least_load", "prefix"] = "prefix"
-    speculative: SpeculativeSettings | None = None  # speculative decoding; absent: off
+    # `[backends.<engine>.speculative]`: engine_core/spec_decode/config.py's fields, vLLM's names; absent: off
+    speculative: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config()  # a bad table is refused when the config is read
         if self.replicas < 1:
             raise ValueError("`replicas` must be >= 1")
         if self.replicas > 1 and self.workers == "thread":
@@ -98,8 +81,9 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         except ValueError as exc:
             return f"model {self.model}; {exc}"
         served = f"model {self.model}, dtype {self.dtype} -> {str(dtype).removeprefix('torch.')} ({reason})"
-        if self.speculative is not None:
-            served += f"; speculative decoding {self.speculative.config().describe()}"
+        spec = self.speculative_config()
+        if spec is not None:
+            served += f"; speculative decoding {spec.describe()}"
         return served + (f"; {self.replicas} worker processes, balance {self.balance}" if self.replicas > 1 else "")
 
     def engine_config(self) -> EngineConfig:
@@ -111,7 +95,15 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
                             attention_backend=self.attention_backend, device=self.device,
                             cuda_graphs=self.cuda_graphs, lora_adapters=dict(self.lora_adapters),
                             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                            speculative=self.speculative.config() if self.speculative else None)
+                            speculative=self.speculative_config())
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative is None:
+            return None
+        unknown = sorted(set(self.speculative) - {f.name for f in dataclasses.fields(SpeculativeConfig)})
+        if unknown:
+            raise ValueError(f"unknown field(s) in `speculative`: {', '.join(unknown)}")
+        return msgspec.convert(self.speculative, SpeculativeConfig)
 
 
 class EngineBackend:
@@ -157,8 +149,8 @@ class EngineBackend:
 
     def speculative(self) -> str | None:
         """How the engine speculates, for /info; None: it does not."""
-        spec = self.settings.speculative
-        return spec.config().describe() if spec is not None else None
+        spec = self.settings.speculative_config()
+        return spec.describe() if spec is not None else None
 
     def dtype(self) -> tuple[str, str] | None:
         """The weights' dtype and why, once loaded."""

@@ -19,6 +19,7 @@ from engine_core.spec_decode import SpeculativeConfig
 from engine_core.structured import StructuredOutputsParams
 from tests.conftest import build_tiny_model
 from tests.engine_helpers import all_blocks_free_after_each_test, chat  # noqa: F401
+from tests.lora_helpers import make_adapter
 
 CODE = "\n".join(f"def area_{i}(width, height):\n    result = width * height + {i}\n    return result"
                  for i in range(8))
@@ -102,6 +103,19 @@ def test_a_batch_mixes_speculating_and_plain_rows(plain: LLMEngine, engine: LLME
     params = [SamplingParams(max_new_tokens=32, ignore_eos=True, speculative=i % 2 == 0) for i in range(4)]
     out = engine.generate(prompts, params)
     assert [tokens(o) for o in out] == [tokens(o) for o in plain.generate(prompts, params)]
+
+
+def test_lora_requests_speculate_with_their_adapter(plain: LLMEngine, smollm_dir: Path,
+                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    adapter = make_adapter(smollm_dir, tmp_path_factory.mktemp("spec-lora") / "a", seed=5, rank=4)
+    with_spec = engine_with(smollm_dir, NGRAM, lora_adapters={"a": str(adapter)})
+    without = engine_with(smollm_dir, None, lora_adapters={"a": str(adapter)})
+    prompts = [chat(plain, PROMPTS[1])] * 2
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True, adapter=name) for name in ("a", None)]
+    out = with_spec.generate(prompts, params)
+    assert [tokens(o) for o in out] == [tokens(o) for o in without.generate(prompts, params)]
+    assert tokens(out[0]) != tokens(out[1])  # the adapter changes the answer it speculated on
+    assert with_spec.spec.counters.num_accepted_tokens > 0  # type: ignore[union-attr]
 
 
 def test_only_verified_tokens_enter_the_prefix_cache(plain: LLMEngine, smollm_dir: Path) -> None:

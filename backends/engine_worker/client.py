@@ -239,8 +239,8 @@ class EngineWorkerBackend:
         return self._dtype
 
     def speculative(self) -> str | None:
-        spec = self.settings.speculative
-        return spec.config().describe() if spec is not None else None
+        spec = self.settings.speculative_config()
+        return spec.describe() if spec is not None else None
 
     async def health(self) -> bool:
         load = self._load
