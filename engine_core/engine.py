@@ -315,10 +315,10 @@ class LLMEngine:
                 outputs.append(output)
                 if accepted:
                     seq.num_computed_tokens += 1
-                if accepted and output.finish_reason is None:
+                finished = output.finish_reason is not None
+                if accepted and not finished:
                     still.append(i)
                     continue
-                finished = output.finish_reason is not None
                 self.spec.record(seq, len(draft), position + int(accepted), position + 1, finished)
                 if not finished:
                     self.block_manager.cache_full_blocks(seq)

@@ -41,6 +41,7 @@ class DraftModelProposer:
         self.blocks = BlockManager(num_blocks, block_size)
         self.runner = ModelRunner(self.model, block_size, Sampler(()))
         self.shadows: dict[str, Sequence] = {}
+        self.synced: dict[str, int] = {}  # request -> tokens its shadow copied last time (equal ever since)
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         # (shadow, where its drafts start, how many it may draft) for each request that drafts
@@ -74,15 +75,17 @@ class DraftModelProposer:
         shadow = self.shadows.get(seq.request_id)
         if shadow is None:
             shadow = self.shadows[seq.request_id] = Sequence(seq.request_id, list(seq.prompt_token_ids), GREEDY)
-        common = 0
         limit = min(shadow.num_computed_tokens, seq.num_tokens - 1)
+        common = min(self.synced.get(seq.request_id, 0), limit)  # only the drafts after it can differ
         while common < limit and shadow.token_ids[common] == seq.token_ids[common]:
             common += 1
         shadow.token_ids = list(seq.token_ids)
         shadow.num_computed_tokens = common
+        self.synced[seq.request_id] = seq.num_tokens
         return shadow
 
     def _drop(self, request_id: str) -> None:
+        self.synced.pop(request_id, None)
         shadow = self.shadows.pop(request_id, None)
         if shadow is not None:
             self.blocks.free(shadow)
