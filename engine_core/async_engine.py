@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine_core.engine import LLMEngine, RequestError
+from engine_core.kv_transfer import KvExport, KvHandle, remove_transfer
 from engine_core.outputs import RequestOutput
 from engine_core.sampling.params import SamplingParams
 
@@ -61,9 +62,10 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream one output per generated token; the last has `finish_reason` set."""
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       kv: KvExport | KvHandle | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one output per generated token; the last has `finish_reason` set (or, handed over with
+        `kv` = KvExport, `kv_handle`)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         request_id = request_id or uuid.uuid4().hex
@@ -72,7 +74,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
-        self._submit(lambda: self._add(request_id, prompt, params))
+        self._submit(lambda: self._add(request_id, prompt, params, kv))
         finished = False
         try:
             while True:
@@ -139,11 +141,14 @@ class AsyncEngine:
         self._commands.put(command)
         self._wakeup.set()
 
-    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+             kv: KvExport | KvHandle | None) -> None:
         if request_id not in self._streams:  # the caller already left
+            if isinstance(kv, KvHandle):
+                remove_transfer(kv.transfer_id)
             return
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, kv)
         except Exception as exc:
             self._deliver(request_id, exc)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_core.kv_transfer import KvHandle, KvImported
 from engine_core.sequence import TokenLogprob
 
 FINISH_LENGTH = "length"
@@ -28,7 +29,11 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first output, when asked
     num_cached_tokens: int = 0
     queue_seconds: float | None = None  # with the first output: time from arrival to first compute
+    kv_handle: KvHandle | None = None  # a prefill engine's handover: the request goes on elsewhere
+    kv_error: str | None = None  # the handover could not be written: the request ends here, unfinished
+    kv_imported: KvImported | None = None  # a decode engine's first output: how it took the prompt's KV
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The last output of this request here: it finished, or was handed over (or failed to be)."""
+        return self.finish_reason is not None or self.kv_handle is not None or self.kv_error is not None

@@ -11,6 +11,7 @@ import torch
 from engine_core.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine_core.kv_transfer import KvImported
     from engine_core.lora.adapter import LoraAdapter
     from engine_core.structured.matcher import GrammarState
 
@@ -48,6 +49,8 @@ class Sequence:
     grammar: GrammarState | None = None  # set for a constrained request; dropped when it finishes
     lora: LoraAdapter | None = None  # the adapter it runs with (SamplingParams.adapter, resolved); None: the base
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (speculative decoding)
+    kv_export: str | None = None  # prefill/decode: export the prompt's KV under this transfer id after token 1
+    kv_imported: KvImported | None = None  # how its prompt's KV came from a prefill engine (reported once)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
