@@ -73,6 +73,25 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
 
 
+class KvTransfer(msgspec.Struct, frozen=True, kw_only=True):
+    """This request is one leg of a disaggregated request (prefill/decode, backends/pool/disaggregated.py)."""
+
+    role: Literal["prefill", "decode"]
+    transfer_id: str  # one id for both legs (vLLM: the X-Request-Id of both)
+    params: Any = None  # decode leg: the prefill leg's `KvHandoff.params`, relayed as it came (opaque here)
+
+
+class KvHandoff(msgspec.Struct, frozen=True, kw_only=True):
+    """A prefill leg's last event says what the decode leg needs; a decode leg's first says how it took it."""
+
+    params: Any = None  # prefill leg: for the decode leg (engine: its KV handle; vLLM: kv_transfer_params)
+    token_is_output: bool = True  # prefill leg: its event's token is the client's first (False: vLLM's is not)
+    imported: bool | None = None  # decode leg: it took the KV (False: it prefilled locally, `reason` says why)
+    reason: str | None = None
+    num_bytes: int = 0  # the KV handed over
+    seconds: float = 0.0  # to write it (prefill leg) or to read it in (decode leg)
+
+
 class GenerationRequest(msgspec.Struct, kw_only=True):
     request_id: str
     model: str  # the model name the client used (after alias resolution)
@@ -105,6 +124,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool = True
     adapter: str | None = None  # a LoRA adapter by the name clients use (TGI adapter_id, OpenAI model); None: base
     speculative: bool = True  # False: the engine drafts nothing for this request (where it speculates)
+    kv_transfer: KvTransfer | None = None  # a leg of a prefill/decode disaggregated request; None: the whole
 
     @property
     def greedy(self) -> bool:
@@ -140,10 +160,17 @@ class TokenEvent(msgspec.Struct, kw_only=True):
     prompt_tokens: list[TokenLogprob] | None = None  # on the first event, when prompt_logprobs was asked
     queue_seconds: float | None = None  # on the first event, where the backend knows it
     tool_calls: list[ToolCallDelta] = []  # from a backend that parses tool calls itself (a remote OpenAI server)
+    kv_handoff: KvHandoff | None = None  # a disaggregated request's leg: its handover (see KvHandoff)
+
+    @property
+    def handed_over(self) -> bool:
+        """A prefill leg's last event: the request goes on on a decode replica."""
+        return self.kv_handoff is not None and self.kv_handoff.params is not None
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The last event of this stream: the request finished, or (a prefill leg) was handed over."""
+        return self.finish_reason is not None or self.handed_over
 
     def usage_or_count(self, events: int) -> Usage:
         """A final event's usage: the backend's own count (an upstream event may carry several tokens), or from

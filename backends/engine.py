@@ -17,6 +17,7 @@ from backends.base import (
     BackendValidationError,
     FinishReason,
     GenerationRequest,
+    KvHandoff,
     TokenEvent,
     TokenLogprob,
     TokenSpan,
@@ -27,6 +28,7 @@ from backends.base import (
 from backends.engine_constraint import ENGINE_CONSTRAINT_KINDS, structured_outputs
 from engine_core import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, RequestError, SamplingParams
 from engine_core import TokenLogprob as EngineLogprob
+from engine_core.kv_transfer import KvExport, KvHandle
 from engine_core.lora import LoraError, LoraInUseError
 from engine_core.spec_decode import SpeculativeConfig
 from engine_core.startup import StartupProgress
@@ -35,6 +37,7 @@ from engine_core.startup import StartupProgress
 # loading tokenizers at once can get "cannot import name 'AutoTokenizer'"), and two loads would only share
 # the cores anyway
 _BUILD_LOCK = threading.Lock()
+PD_THRESHOLD_TOKENS = 256  # BENCHMARKS.md "Prefill/decode disaggregation" says where this comes from
 
 
 class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -64,6 +67,11 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # divided among them), behind one balancer (backends/pool/balance.py explains the policies)
     replicas: int = 1
     balance: Literal["round_robin", "least_load", "prefix"] = "prefix"
+    # prefill/decode disaggregation (backends/pool/disaggregated.py): `prefill_replicas` of the `replicas` workers
+    # prefill and hand the KV over through shared memory, the rest decode; 0: every worker does both
+    prefill_replicas: int = 0
+    pd_threshold_tokens: int = PD_THRESHOLD_TOKENS  # uncached prompt tokens from which prefill goes remote
+    prefill_timeout: float = 60.0  # seconds for a prefill leg's handover before the decode worker prefills
     # `[backends.<engine>.speculative]`: engine_core/spec_decode/config.py's fields, vLLM's names; absent: off
     speculative: dict[str, Any] | None = None
 
@@ -73,6 +81,10 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             raise ValueError("`replicas` must be >= 1")
         if self.replicas > 1 and self.workers == "thread":
             raise ValueError("`replicas` > 1 runs worker processes: it needs workers = \"process\"")
+        if not 0 <= self.prefill_replicas < self.replicas:
+            raise ValueError("`prefill_replicas` must be >= 0 and leave at least one of the `replicas` to decode")
+        if self.pd_threshold_tokens < 0 or self.prefill_timeout <= 0:
+            raise ValueError("`pd_threshold_tokens` must be >= 0 and `prefill_timeout` > 0")
 
     def describe(self) -> str:
         """What `llmgw check-config` prints: the model and the dtype it would load, with the reason."""
@@ -84,6 +96,10 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         spec = self.speculative_config()
         if spec is not None:
             served += f"; speculative decoding {spec.describe()}"
+        if self.prefill_replicas:
+            return served + (f"; {self.replicas} worker processes: {self.prefill_replicas} prefill (balance prefix), "
+                             f"{self.replicas - self.prefill_replicas} decode (balance least_load); prefill goes "
+                             f"remote from {self.pd_threshold_tokens} uncached prompt tokens, KV through shared memory")
         return served + (f"; {self.replicas} worker processes, balance {self.balance}" if self.replicas > 1 else "")
 
     def engine_config(self) -> EngineConfig:
@@ -193,12 +209,22 @@ class EngineBackend:
         prompt: str | list[int] | None = request.prompt_token_ids or request.prompt
         if prompt is None:
             raise BackendValidationError("the engine backend needs a prompt; chat is rendered by the gateway")
+        kv = _kv_leg(request)
         try:
-            async for out in self.engine.generate(prompt, params, request.request_id):
+            async for out in self.engine.generate(prompt, params, request.request_id, kv):
+                if out.kv_error is not None:
+                    raise UpstreamError(f"{self.name}: {out.kv_error}")
                 event = TokenEvent(
                     token_id=out.token_id, text=out.text, token_text=out.token_text, special=out.special,
                     logprob=out.logprob, top_logprobs=[self._logprob(t) for t in out.top_logprobs],
                     seed=out.seed, queue_seconds=out.queue_seconds)
+                if out.kv_handle is not None:
+                    handle = out.kv_handle
+                    event.kv_handoff = KvHandoff(params=handle, num_bytes=handle.num_bytes, seconds=handle.seconds)
+                elif out.kv_imported is not None:
+                    taken = out.kv_imported
+                    event.kv_handoff = KvHandoff(imported=taken.imported, reason=taken.reason,
+                                                 num_bytes=taken.num_bytes, seconds=taken.seconds)
                 if out.prompt_logprobs is not None:
                     event.prompt_tokens = self._prompt_tokens(prompt, out.prompt_logprobs)
                 if out.finish_reason is not None:
@@ -208,6 +234,8 @@ class EngineBackend:
                 yield event
         except RequestError as exc:
             raise BackendValidationError(str(exc)) from None
+        except UpstreamError:
+            raise
         except EngineDeadError as exc:
             raise BackendUnavailableError(str(exc)) from None
         except Exception as exc:  # a failed step: every request in it ends with this error, the engine goes on
@@ -221,6 +249,12 @@ class EngineBackend:
         decode = self.llm.tokenizer.decode
         first = [TokenLogprob(ids[0], decode([ids[0]]), None)]  # the first token has nothing to score it
         return first + [TokenLogprob(e.token_id, decode([e.token_id]), e.logprob) for e in scored]
+
+    async def release_kv(self, transfer_id: str) -> bool:
+        """A prefill leg's KV was taken by its decode leg, or will not be: free its blocks (and its file)."""
+        if self.engine is None or not self.engine.alive:
+            return False
+        return await self.engine.call(lambda engine: engine.release_kv(transfer_id))
 
     # LoRA adapters (a worker-process engine forwards these three)
 
@@ -255,6 +289,22 @@ class EngineBackend:
     async def aclose(self) -> None:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
+
+
+def _kv_leg(request: GenerationRequest) -> KvExport | KvHandle | None:
+    """What the engine does with a disaggregated request's leg: export after the first token, or continue from
+    a handle (relayed through the gateway as msgpack, so a dict here unless it never left this process)."""
+    leg = request.kv_transfer
+    if leg is None:
+        return None
+    if leg.role == "prefill":
+        return KvExport(leg.transfer_id)
+    if isinstance(leg.params, KvHandle):
+        return leg.params
+    try:
+        return msgspec.convert(leg.params, KvHandle)
+    except msgspec.ValidationError as exc:
+        raise BackendValidationError(f"the decode leg's KV handle is not one this engine reads: {exc}") from None
 
 
 def _char_to_byte_offsets(text: str) -> list[int]:

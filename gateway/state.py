@@ -210,6 +210,8 @@ class Gateway:
                     others = [f"{r.id} {_replica_state(r)}" for r in replicas() if r not in serving]
                     states[name] += f" ({len(serving)}/{len(replicas())} replicas healthy" + \
                         "".join(f"; {o}" for o in others) + ")"
+                if (role_of := getattr(backend, "role_of", None)) is not None:  # prefill/decode: who does what
+                    states[name] += "; roles: " + ", ".join(f"{r.id} {role_of(r.id)}" for r in replicas())
         return states
 
     async def aclose(self) -> None:

@@ -54,6 +54,7 @@ from backends.engine_worker.messages import (
     Tokens,
     WorkerLoad,
 )
+from engine_core.kv_transfer import remove_transfer
 
 log = logging.getLogger("llmgw")
 STALE_AFTER = 30.0  # seconds without a heartbeat before health() says no (a step may take seconds; not 30)
@@ -303,6 +304,16 @@ class EngineWorkerBackend:
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
         return await self.call("tokenize", text, add_special_tokens, returns=list[TokenSpan])
+
+    async def release_kv(self, transfer_id: str) -> bool:
+        """Free a prefill leg's parked blocks; its handover file goes even when the worker cannot answer (it
+        died mid-transfer): the file is on this host, and nobody else will remove it."""
+        try:
+            return bool(await self.call("release_kv", transfer_id, returns=bool))
+        except BackendError:
+            return False
+        finally:
+            remove_transfer(transfer_id)
 
     async def load_adapter(self, name: str, path: str | Path) -> Any:
         result = await self.call("load_adapter", name, str(path))

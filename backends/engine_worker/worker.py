@@ -56,7 +56,8 @@ class Worker:
     def __init__(self, launch: Launch) -> None:
         settings = msgspec.convert(launch.settings, EngineSettings)
         # the one engine of this process: in its thread here, one replica of whatever pool launched it
-        self.backend = EngineBackend(launch.name, msgspec.structs.replace(settings, workers="thread", replicas=1))
+        self.backend = EngineBackend(launch.name, msgspec.structs.replace(settings, workers="thread", replicas=1,
+                                                                          prefill_replicas=0))
         self.launch = launch
         self.context = zmq.asyncio.Context()
         self.inbox = self.context.socket(zmq.PULL)

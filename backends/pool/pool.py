@@ -236,17 +236,22 @@ class PoolBackend:
         replica = available[self._tokenize_turn % len(available)] if available else self._any()
         return await replica.backend.tokenize(text, add_special_tokens=add_special_tokens)  # type: ignore[call-arg]
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerationRequest, choice: Choice | None = None,
+                       served: list[Replica] | None = None) -> AsyncIterator[TokenEvent]:
+        """The request on the replica the policy picks (or on `choice`, made by the caller), moved to another
+        if one fails before its first event; `served` (when given) gets each replica tried, the last served."""
         hashes = request_block_hashes(request, self.settings.prefix_block_tokens, self.settings.prefix_block_chars,
                                       self.settings.prefix_max_blocks) if self.policy.uses_prefixes else []
         tried: set[str] = set()
         while True:
-            choice = self._choose(hashes, tried)
+            choice = choice if choice is not None and not tried else self._choose(hashes, tried)
             replica = choice.replica
             tried.add(replica.id)
+            if served is not None:
+                served.append(replica)
             for observer in self.observers:
                 observer.chosen(self.name, replica.id, choice.reason)
-            budget = _prompt_tokens(request) + request.max_new_tokens
+            budget = prompt_tokens(request) + request.max_new_tokens
             replica.in_flight += 1
             replica.outstanding_tokens += budget
             replica.requests += 1
@@ -300,6 +305,12 @@ class PoolBackend:
             raise BackendUnavailableError(f"{self.name}: the pool has no replica"
                                           + (" (DNS found none)" if self.settings.discovery == "dns" else ""))
         return self.replicas[0]
+
+    def choose(self, request: GenerationRequest) -> Choice:
+        """The replica the policy would pick for `request` now (the caller then passes it to generate)."""
+        hashes = request_block_hashes(request, self.settings.prefix_block_tokens, self.settings.prefix_block_chars,
+                                      self.settings.prefix_max_blocks) if self.policy.uses_prefixes else []
+        return self._choose(hashes, set())
 
     def _choose(self, hashes: list[int], tried: set[str]) -> Choice:
         candidates = self._candidates(tried)
@@ -382,7 +393,8 @@ class PoolBackend:
         return list(self.replicas)
 
 
-def _prompt_tokens(request: GenerationRequest) -> int:
+def prompt_tokens(request: GenerationRequest) -> int:
+    """The prompt's length in tokens, or an estimate when the gateway did not tokenize it."""
     if request.prompt_token_ids:
         return len(request.prompt_token_ids)
     if request.prompt is not None:

@@ -81,6 +81,10 @@ class TelemetryMiddleware:
             "duration_ms": round((rec.ended - rec.started) * 1000, 2)}
         if rec.replica:
             fields["replica"], fields["balance"] = rec.replica, rec.balance
+        if (handover := rec.handover) is not None:
+            fields.update(pd_path=handover.path, decode_replica=handover.decode_replica,
+                          prefill_replica=handover.prefill_replica, kv_transfer_bytes=handover.num_bytes,
+                          kv_transfer_ms=round(handover.seconds * 1000, 2), pd_fallback=handover.fallback)
         if rec.adapter:
             fields["adapter"] = rec.adapter
         if rec.error:

@@ -13,6 +13,7 @@ from gateway.telemetry.metrics import LATENCY_BUCKETS, GatewayMetrics, gauge
 from gateway.telemetry.record import current_record
 
 BR = ["backend", "replica"]
+KV_BYTES_BUCKETS = tuple(2.0**k for k in range(16, 34, 2))  # 64 KiB .. 8 GiB
 
 
 class PoolTelemetry:
@@ -29,6 +30,14 @@ class PoolTelemetry:
         self.errors = Counter("llmgw_replica_errors", "Replica errors by kind", [*BR, "kind"], registry=r)
         self.ejections = Counter("llmgw_replica_ejections", "Passive ejections of a replica (consecutive "
                                  "failures)", BR, registry=r)
+        self.pd_requests = Counter("llmgw_pd_requests", "Requests of a prefill/decode pool by path: local (the "
+                                   "decode replica alone), remote (prefilled on a prefill replica, KV handed over), "
+                                   "fallback (the handover failed; the decode replica prefilled)", ["backend", "path"],
+                                   registry=r)
+        self.pd_bytes = Histogram("llmgw_pd_kv_transfer_bytes", "KV bytes handed from a prefill to a decode replica",
+                                  ["backend"], buckets=KV_BYTES_BUCKETS, registry=r)
+        self.pd_seconds = Histogram("llmgw_pd_kv_transfer_seconds", "Time to write and read in a KV handover",
+                                    ["backend"], buckets=LATENCY_BUCKETS, registry=r)
 
     def chosen(self, pool: str, replica: str, reason: str) -> None:
         self.requests.labels(pool, replica).inc()
@@ -39,6 +48,17 @@ class PoolTelemetry:
 
     def first_token(self, pool: str, replica: str, seconds: float) -> None:
         self.ttft.labels(pool, replica).observe(seconds)
+
+    def handed_over(self, pool: str, handover: Any) -> None:
+        """A prefill/decode pool's request ended: which path it took and what moved."""
+        self.pd_requests.labels(pool, handover.path).inc()
+        if handover.num_bytes:
+            self.pd_bytes.labels(pool).observe(handover.num_bytes)
+            self.pd_seconds.labels(pool).observe(handover.seconds)
+        rec = current_record.get()
+        if rec is not None:
+            rec.handover = handover
+            rec.replica = handover.decode_replica  # the last chosen may be the prefill replica
 
     def failed(self, pool: str, replica: str, kind: str) -> None:
         self.errors.labels(pool, replica, kind).inc()

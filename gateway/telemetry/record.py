@@ -21,6 +21,7 @@ class RequestRecord:
     backend: str = ""
     replica: str = ""  # in a pool: the replica that served it...
     balance: str = ""  # ...and why the balancer chose it (prefix_hit, cold, imbalanced, least_load, round_robin)
+    handover: Any = None  # prefill/decode: backends/pool/disaggregated.py's Handover (replicas, KV bytes, fallback)
     status: int = 0
     finish_reason: str = ""
     prompt_tokens: int = 0
