@@ -16,10 +16,14 @@ app.kubernetes.io/name: llm-gateway
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{/* Selector of one backend deployment: (dict "root" $ "name" "vllm") */}}
+{{/* Selector of one backend deployment: (dict "root" $ "name" "vllm"), and with "role" "prefill"
+     one role's pods of a disaggregated backend (llm-d's label) */}}
 {{- define "llm-gateway.backendSelector" -}}
 app.kubernetes.io/name: {{ .name }}
 app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- with .role }}
+llm-d.ai/role: {{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "llm-gateway.secretName" -}}
@@ -88,17 +92,28 @@ key_env = {{ include "llm-gateway.keyEnv" .name | toJson }}
 
 [backends.local]
 type = "engine"
-{{- include "llm-gateway.tomlTable" (omit $c.engine "enabled" "servedModelName") }}
+{{- include "llm-gateway.tomlTable" (omit $c.engine "enabled" "servedModelName" "shmSize") }}
 {{- end }}
 {{- /* each backend's headless Service: every ready pod is a replica of its pool (DNS discovery) */}}
 {{- with .Values.backends.vllm }}{{ if .enabled }}
 
 [backends.vllm]
 type = "openai"
+{{- if .disaggregation.enabled }}
+{{- /* two DNS pools, one per role's headless Service; the gateway picks prefill by prefix, decode by load */}}
+prefill_endpoints = ["http://{{ $full }}-vllm-prefill:{{ .port }}"]
+decode_endpoints = ["http://{{ $full }}-vllm-decode:{{ .port }}"]
+discovery = "dns"
+dns_interval = {{ .dnsInterval }}
+{{- if not (kindIs "invalid" .disaggregation.thresholdTokens) }}
+pd_threshold_tokens = {{ include "llm-gateway.toml" .disaggregation.thresholdTokens }}
+{{- end }}
+{{- else }}
 base_url = "http://{{ $full }}-vllm:{{ .port }}"
 discovery = "dns"
 dns_interval = {{ .dnsInterval }}
 balance = {{ .balance | toJson }}
+{{- end }}
 model = {{ .servedModelName | toJson }}
 flavor = {{ .flavor | toJson }}
 {{- end }}{{ end }}
@@ -139,4 +154,18 @@ dialect = {{ .dialect | toJson }}
 backend = "local"
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* The engine's /dev/shm size, or "" for none: config.engine.shmSize, else with prefill_replicas > 0
+     kv_cache_mb x prefill_replicas MiB (the prefill workers' KV, handed over through files there). */}}
+{{- define "llm-gateway.engineShm" -}}
+{{- $e := .Values.config.engine -}}
+{{- $prefill := int (default 0 $e.prefill_replicas) -}}
+{{- $rendered := and (not .Values.configToml) $e.enabled -}}
+{{- if and $rendered (gt $prefill 0) (ge $prefill (int (default 1 $e.replicas))) -}}
+{{- fail "config.engine.prefill_replicas must be less than config.engine.replicas (at least one decode worker)" -}}
+{{- end -}}
+{{- if $e.shmSize -}}{{ $e.shmSize }}
+{{- else if and $rendered (gt $prefill 0) -}}{{ mul (int (default 512 $e.kv_cache_mb)) $prefill }}Mi
+{{- end -}}
 {{- end -}}
