@@ -117,7 +117,7 @@ def test_missing_or_mismatched_kv_is_prefilled_locally_with_the_same_output(engi
 
 
 def test_an_unreleased_handover_frees_its_blocks_after_the_timeout(engines, monkeypatch):
-    import engine_core.engine as engine_module
+    import engine_core.kv_handover as engine_module
 
     prefiller = engines[0]
     first, transfer_id = prefill(prefiller, PROMPTS[0], SamplingParams(max_new_tokens=8))
