@@ -202,7 +202,7 @@ class LLMEngine(KvHandovers):
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, token_ids, list(params.stop), params.skip_special_tokens, self.special_ids)
         if isinstance(kv, KvExport):
-            seq.kv_export = kv.transfer_id
+            seq.kv_export, seq.kv_export_inline = kv.transfer_id, kv.inline
         elif isinstance(kv, KvHandle):
             self._take_handover(seq, kv)
         self.scheduler.add(seq)

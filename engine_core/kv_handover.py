@@ -86,7 +86,7 @@ class KvHandovers:
         transfer_id = seq.kv_export
         try:
             handle = export_kv(seq, seq.num_prompt_tokens, self.model.k_caches, self.model.v_caches, self.kv_layout,
-                               transfer_id, token)
+                               transfer_id, token, seq.kv_export_inline)
         except Exception as exc:
             remove_transfer(transfer_id)
             log.error("request %s: KV export failed: %s", seq.request_id, exc)

@@ -2,7 +2,9 @@
 
 A prefill engine runs a request's prompt and samples its first token as usual; then, instead of decoding on,
 it *exports*: every layer's K and V rows of the prompt, in the cache's dtype, are copied into a file in shared
-memory (`/dev/shm` where there is one) and the request is *parked*: it leaves the batch but keeps its blocks
+memory (`/dev/shm` where there is one; transport "shm", for workers on one host), or into the handle itself
+(transport "inline": the bytes then travel in the workers' ZeroMQ messages, for workers that share no memory),
+and the request is *parked*: it leaves the batch but keeps its blocks
 until it is released (the decode side has the KV, or gave up), so nothing is freed before the handover ends.
 A decode engine *imports*: it allocates blocks, copies the rows in, and goes on from the first token as if it
 had prefilled the prompt itself. The layout travels with the handle and is checked on import; a mismatch, a
@@ -57,6 +59,7 @@ class KvExport:
     """A prefill engine's instruction: after the first token, export the prompt's KV under this id."""
 
     transfer_id: str
+    inline: bool = False  # the KV in the handle's `data` rather than in a shared-memory file
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,7 @@ class KvHandle:
     first_token: int  # the token the prefill engine sampled (the client already has it)
     layout: KvLayout
     generator_state: bytes | None = None  # a seeded request's sampler generator after the first token
+    data: bytes | None = None  # the KV itself (inline transport); None: in the transfer file
     num_bytes: int = 0
     seconds: float = 0.0  # time to write the file
 
@@ -102,22 +106,21 @@ def _slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Te
 
 
 def export_kv(seq: Sequence, num_tokens: int, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-              layout: KvLayout, transfer_id: str, first_token: int) -> KvHandle:
-    """Write the first `num_tokens` positions of `seq`'s KV to its transfer file."""
+              layout: KvLayout, transfer_id: str, first_token: int, inline: bool = False) -> KvHandle:
+    """Write the first `num_tokens` positions of `seq`'s KV to its transfer file (or, inline, into the handle)."""
     started = time.perf_counter()
-    block_size = k_caches[0].shape[1]
-    slots = _slots(seq.block_table, num_tokens, block_size)
-    rows = layout.num_kv_heads * layout.head_dim
-    path = transfer_path(transfer_id)
-    total = 2 * layout.num_layers * num_tokens * rows
-    out = torch.from_file(str(path), shared=True, size=total, dtype=k_caches[0].dtype)
-    out = out.view(layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+    slots = _slots(seq.block_table, num_tokens, k_caches[0].shape[1])
+    total = 2 * layout.num_layers * num_tokens * layout.num_kv_heads * layout.head_dim
+    out = torch.empty(total, dtype=k_caches[0].dtype) if inline else \
+        torch.from_file(str(transfer_path(transfer_id)), shared=True, size=total, dtype=k_caches[0].dtype)
+    rows = out.view(layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
     for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
-        torch.index_select(k.view(-1, layout.num_kv_heads, layout.head_dim), 0, slots, out=out[layer, 0])
-        torch.index_select(v.view(-1, layout.num_kv_heads, layout.head_dim), 0, slots, out=out[layer, 1])
-    del out  # unmaps; the file stays
+        torch.index_select(k.view(-1, layout.num_kv_heads, layout.head_dim), 0, slots, out=rows[layer, 0])
+        torch.index_select(v.view(-1, layout.num_kv_heads, layout.head_dim), 0, slots, out=rows[layer, 1])
+    data = out.view(torch.uint8).numpy().tobytes() if inline else None
+    del out, rows  # unmaps; the file stays
     state = bytes(seq.generator.get_state().numpy().tobytes()) if seq.generator is not None else None
-    return KvHandle(transfer_id, num_tokens, first_token, layout, state, path.stat().st_size,
+    return KvHandle(transfer_id, num_tokens, first_token, layout, state, data, num_tokens * layout.bytes_per_token(),
                     time.perf_counter() - started)
 
 
@@ -127,14 +130,16 @@ def check_handle(handle: KvHandle, layout: KvLayout, prompt_len: int) -> str | N
         return f"KV layout {handle.layout} differs from this engine's {layout}"
     if handle.num_tokens != prompt_len:
         return f"the handle holds {handle.num_tokens} tokens of KV for a prompt of {prompt_len}"
-    path = transfer_path(handle.transfer_id)
     expected = handle.num_tokens * layout.bytes_per_token()
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        return f"the KV file is not there ({exc.strerror})"
+    if handle.data is not None:
+        size = len(handle.data)
+    else:
+        try:
+            size = transfer_path(handle.transfer_id).stat().st_size
+        except OSError as exc:
+            return f"the KV file is not there ({exc.strerror})"
     if size != expected:
-        return f"the KV file has {size} bytes, not {expected}"
+        return f"the KV has {size} bytes, not {expected}"
     return None
 
 
@@ -142,9 +147,10 @@ def import_kv(seq: Sequence, handle: KvHandle, k_caches: list[torch.Tensor], v_c
     """Copy the handle's rows into `seq`'s blocks (already allocated for `handle.num_tokens` tokens)."""
     layout = handle.layout
     slots = _slots(seq.block_table, handle.num_tokens, k_caches[0].shape[1])
-    src = torch.from_file(str(transfer_path(handle.transfer_id)), shared=False,
-                          size=2 * layout.num_layers * handle.num_tokens * layout.num_kv_heads * layout.head_dim,
-                          dtype=k_caches[0].dtype)
+    dtype = k_caches[0].dtype
+    total = 2 * layout.num_layers * handle.num_tokens * layout.num_kv_heads * layout.head_dim
+    src = torch.frombuffer(bytearray(handle.data), dtype=dtype) if handle.data is not None else \
+        torch.from_file(str(transfer_path(handle.transfer_id)), shared=False, size=total, dtype=dtype)
     src = src.view(layout.num_layers, 2, handle.num_tokens, layout.num_kv_heads, layout.head_dim)
     for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
         k.view(-1, layout.num_kv_heads, layout.head_dim).index_copy_(0, slots, src[layer, 0])

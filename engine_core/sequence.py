@@ -50,6 +50,7 @@ class Sequence:
     lora: LoraAdapter | None = None  # the adapter it runs with (SamplingParams.adapter, resolved); None: the base
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (speculative decoding)
     kv_export: str | None = None  # prefill/decode: export the prompt's KV under this transfer id after token 1
+    kv_export_inline: bool = False  # ...into the handle itself rather than a shared-memory file
     kv_imported: KvImported | None = None  # how its prompt's KV came from a prefill engine (reported once)
 
     def __post_init__(self) -> None:

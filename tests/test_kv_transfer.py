@@ -35,18 +35,21 @@ def run(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
     return outputs
 
 
-def prefill(engine: LLMEngine, prompt: str, params: SamplingParams) -> tuple[RequestOutput, str]:
+def prefill(engine: LLMEngine, prompt: str, params: SamplingParams,
+            inline: bool = False) -> tuple[RequestOutput, str]:
     transfer_id = uuid.uuid4().hex
-    engine.add_request("p", prompt, params, KvExport(transfer_id))
+    engine.add_request("p", prompt, params, KvExport(transfer_id, inline))
     (first,) = run(engine)["p"]
     return first, transfer_id
 
 
-def handed_over(engines: tuple[LLMEngine, LLMEngine], prompt: str, params: SamplingParams) -> list[RequestOutput]:
+def handed_over(engines: tuple[LLMEngine, LLMEngine], prompt: str, params: SamplingParams,
+                inline: bool = False) -> list[RequestOutput]:
     prefiller, decoder = engines
-    first, transfer_id = prefill(prefiller, prompt, params)
+    first, transfer_id = prefill(prefiller, prompt, params, inline)
     if first.finish_reason is not None:
         return [first]
+    assert transfer_path(transfer_id).exists() != inline  # shm: a file; inline: the bytes in the handle
     assert first.kv_handle is not None and first.kv_error is None
     assert not prefiller.block_manager.check_all_free()  # parked: blocks held until released
     decoder.add_request("d", prompt, params, first.kv_handle)
@@ -57,11 +60,12 @@ def handed_over(engines: tuple[LLMEngine, LLMEngine], prompt: str, params: Sampl
     return [first, *rest]
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["shm", "inline"])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "chunked"])
-def test_handed_over_greedy_output_equals_colocated(engines, prompt):
+def test_handed_over_greedy_output_equals_colocated(engines, prompt, inline):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     (colocated,) = engines[1].generate([prompt], params)
-    outputs = handed_over(engines, prompt, params)
+    outputs = handed_over(engines, prompt, params, inline)
     assert [o.token_id for o in outputs] == [o.token_id for o in colocated]
     assert "".join(o.text for o in outputs) == "".join(o.text for o in colocated)
     assert outputs[1].kv_imported is not None and outputs[1].kv_imported.imported
