@@ -28,9 +28,16 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
+# NIXL for vLLM's NixlConnector (the prefill/decode tests run it on CPU with kv_buffer_device "cpu"): the
+# meta package would pull the CUDA 12 runtime; its own wheel carries the library. A stamp of its own, so an
+# existing vLLM venv gets it too
+$(VLLM_VENV)/.nixl: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps nixl==1.5.2 nixl-cu12==1.5.1
+	touch $@
+
 install: $(VENV)/.installed
 
-vllm-env: $(VLLM_VENV)/.installed
+vllm-env: $(VLLM_VENV)/.installed $(VLLM_VENV)/.nixl
 
 run: install
 	$(VENV)/bin/llmgw serve --config $(CONFIG) --host $(HOST) --port $(PORT)

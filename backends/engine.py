@@ -26,6 +26,7 @@ from backends.base import (
     describe,
 )
 from backends.engine_constraint import ENGINE_CONSTRAINT_KINDS, structured_outputs
+from backends.pool.settings import PD_THRESHOLD_TOKENS  # one default for engine and vLLM pools
 from engine_core import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, RequestError, SamplingParams
 from engine_core import TokenLogprob as EngineLogprob
 from engine_core.kv_transfer import KvExport, KvHandle
@@ -37,7 +38,6 @@ from engine_core.startup import StartupProgress
 # loading tokenizers at once can get "cannot import name 'AutoTokenizer'"), and two loads would only share
 # the cores anyway
 _BUILD_LOCK = threading.Lock()
-PD_THRESHOLD_TOKENS = 256  # BENCHMARKS.md "Prefill/decode disaggregation" says where this comes from
 
 
 class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -72,6 +72,9 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     prefill_replicas: int = 0
     pd_threshold_tokens: int = PD_THRESHOLD_TOKENS  # uncached prompt tokens from which prefill goes remote
     prefill_timeout: float = 60.0  # seconds for a prefill leg's handover before the decode worker prefills
+    # how the KV moves: "shm", a file in /dev/shm (workers on one host); "zmq", inside the workers' ZeroMQ
+    # messages through the gateway (workers that share no memory); the layout is checked on both sides
+    kv_transport: Literal["shm", "zmq"] = "shm"
     # `[backends.<engine>.speculative]`: engine_core/spec_decode/config.py's fields, vLLM's names; absent: off
     speculative: dict[str, Any] | None = None
 
@@ -99,7 +102,8 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         if self.prefill_replicas:
             return served + (f"; {self.replicas} worker processes: {self.prefill_replicas} prefill (balance prefix), "
                              f"{self.replicas - self.prefill_replicas} decode (balance least_load); prefill goes "
-                             f"remote from {self.pd_threshold_tokens} uncached prompt tokens, KV through shared memory")
+                             f"remote from {self.pd_threshold_tokens} uncached prompt tokens, KV "
+                             + ("through shared memory" if self.kv_transport == "shm" else "in ZeroMQ messages"))
         return served + (f"; {self.replicas} worker processes, balance {self.balance}" if self.replicas > 1 else "")
 
     def engine_config(self) -> EngineConfig:
@@ -209,7 +213,7 @@ class EngineBackend:
         prompt: str | list[int] | None = request.prompt_token_ids or request.prompt
         if prompt is None:
             raise BackendValidationError("the engine backend needs a prompt; chat is rendered by the gateway")
-        kv = _kv_leg(request)
+        kv = _kv_leg(request, inline=self.settings.kv_transport == "zmq")
         try:
             async for out in self.engine.generate(prompt, params, request.request_id, kv):
                 if out.kv_error is not None:
@@ -291,14 +295,14 @@ class EngineBackend:
             await asyncio.to_thread(self.engine.shutdown)
 
 
-def _kv_leg(request: GenerationRequest) -> KvExport | KvHandle | None:
+def _kv_leg(request: GenerationRequest, inline: bool) -> KvExport | KvHandle | None:
     """What the engine does with a disaggregated request's leg: export after the first token, or continue from
     a handle (relayed through the gateway as msgpack, so a dict here unless it never left this process)."""
     leg = request.kv_transfer
     if leg is None:
         return None
     if leg.role == "prefill":
-        return KvExport(leg.transfer_id)
+        return KvExport(leg.transfer_id, inline)
     if isinstance(leg.params, KvHandle):
         return leg.params
     try:

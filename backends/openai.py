@@ -9,6 +9,7 @@ output constraints go in the flavor's own fields (backends/constraints.py).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Literal
@@ -22,11 +23,13 @@ from backends.base import (
     ConstraintKind,
     FinishReason,
     GenerationRequest,
+    KvHandoff,
     TokenEvent,
     TokenLogprob,
     TokenSpan,
     UpstreamError,
     Usage,
+    describe,
     refuse_adapter,
 )
 from backends.constraints import (
@@ -53,9 +56,14 @@ from backends.sse import SSEEvent
 from backends.tool_calls import ToolCallRelay, refuse_tools, tool_fields, wire_message
 from backends.upstream_text import UpstreamText
 
+log = logging.getLogger("llmgw")
 # per flavor: the constraint kinds it has a wire form for, and that form
 CONSTRAINT_FORMS = {"vllm": (ALL_KINDS, vllm_fields), "trtllm": (ALL_KINDS, trtllm_fields),
                     "generic": (JSON_KINDS, generic_fields)}
+# vLLM's prefill leg (its disaggregated serving proxy's request): compute the prompt's KV and keep it for a
+# decode replica to pull; the remote_* fields are filled in by the prefill replica's answer
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
 class OpenAISettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -82,6 +90,12 @@ class OpenAISettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_o
     def kinds(self) -> frozenset[str]:
         forms = CONSTRAINT_FORMS[self.flavor][0]
         return forms if self.constraint_kinds is None else frozenset(self.constraint_kinds)
+
+    def pd_refusal(self) -> str | None:
+        if self.flavor == "vllm":
+            return None
+        return (f"prefill/decode legs (`prefill_endpoints`) are vLLM's kv_transfer_params flow: they need flavor "
+                f"\"vllm\", not {self.flavor!r}")
 
 
 class OpenAIBackend:
@@ -170,24 +184,89 @@ class OpenAIBackend:
         tools = ToolCallRelay(self.name, parallel=request.parallel_tool_calls)
         path, body = ("/v1/chat/completions", self._chat_body(request)) if chat else \
             ("/v1/completions", self._completion_body(request))
-        started = time.monotonic()
         if not request.stream:  # nobody sees tokens before the end: one JSON answer costs less than a stream
             body["stream"] = False
             body.pop("stream_options", None)
-            async for event in self._whole(path, body, request, chat, tools):
+        headers = trace_headers(request)
+        leg = request.kv_transfer
+        if leg is not None:  # vLLM pairs the two legs by one request id
+            leg_headers = {**headers, "X-Request-Id": leg.transfer_id}
+            if leg.role == "prefill":
+                yield await self._prefill_leg(path, body, leg_headers)
+                return
+            async for event in self._decode_leg(path, body, leg_headers, headers, leg.params, request):
                 yield event
             return
-        async with open_stream(self.client, self.name, path, body, trace_headers(request)) as response:
+        async for event in self._send(path, body, headers, chat, tools):
+            yield event
+
+    async def _send(self, path: str, body: dict[str, Any], headers: dict[str, str], chat: bool,
+                    tools: ToolCallRelay) -> AsyncIterator[TokenEvent]:
+        if not body["stream"]:
+            async for event in self._whole(path, body, headers, chat, tools):
+                yield event
+            return
+        started = time.monotonic()
+        async with open_stream(self.client, self.name, path, body, headers) as response:
             async for event in relay_openai_stream(timed_events(response, self.settings, self.name, started),
                                                    self.name, chat, tools=tools):
                 yield event
 
-    async def _whole(self, path: str, body: dict[str, Any], request: GenerationRequest,
-                     chat: bool, tools: ToolCallRelay) -> AsyncIterator[TokenEvent]:
-        async with open_stream(self.client, self.name, path, body, trace_headers(request)) as response:
+    async def _decode_leg(self, path: str, body: dict[str, Any], leg_headers: dict[str, str],
+                          headers: dict[str, str], params: Any, request: GenerationRequest
+                          ) -> AsyncIterator[TokenEvent]:
+        """vLLM's decode leg: the request as it came, with the prefill replica's kv_transfer_params. vLLM answers
+        500 when it cannot pull the KV (the prefill replica died or dropped it): then, before any token, this
+        replica serves the request whole, as if it had never been split (the first event says so)."""
+        chat = request.messages is not None
+
+        def relay() -> ToolCallRelay:
+            return ToolCallRelay(self.name, parallel=request.parallel_tool_calls)
+
+        stream = self._send(path, {**body, "kv_transfer_params": params}, leg_headers, chat, relay()).__aiter__()
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        except UpstreamError as exc:  # an unreachable or overloaded replica is the pool's to move away from
+            if not exc.retriable:
+                raise
+            log.warning("backend %s: the decode leg of request %s failed before its first token (%s); serving "
+                        "it whole", self.name, request.request_id, exc.message)
+            took: KvHandoff | None = KvHandoff(imported=False, reason=describe(exc))
+            async for event in self._send(path, body, headers, chat, relay()):
+                event.kv_handoff, took = took, None  # the first event says the KV did not come over
+                yield event
+            return
+        try:
+            yield first
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
+
+    async def _prefill_leg(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> TokenEvent:
+        """vLLM's prefill leg: one token, not streamed; its answer's kv_transfer_params (relayed untouched:
+        connectors add fields of their own) tell the decode replica where to pull the KV from. The token is
+        not the client's: the decode replica samples the first token again."""
+        payload = await self._answer(path, prefill_body(body), headers)
+        params = payload.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params:  # the decode replica will prefill the request itself
+            raise UpstreamError(f"{self.name}: the prefill leg's answer has no kv_transfer_params (is vLLM started "
+                                "with --kv-transfer-config, kv_role kv_producer or kv_both?)")
+        return TokenEvent(token_id=0, text="", token_text="", kv_handoff=KvHandoff(params=params,
+                                                                                   token_is_output=False))
+
+    async def _answer(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        async with open_stream(self.client, self.name, path, body, headers) as response:
             payload = _decode((await read_body(response, self.settings, self.name)).decode(), self.name)
         if payload.get("error") is not None or payload.get("object") == "error":
             raise _stream_error(payload, self.name)
+        return payload
+
+    async def _whole(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                     chat: bool, tools: ToolCallRelay) -> AsyncIterator[TokenEvent]:
+        payload = await self._answer(path, body, headers)
         choices = payload.get("choices") or []
         if not choices:
             raise error_for_status(502, "the answer has no choices", self.name)
@@ -203,6 +282,16 @@ class OpenAIBackend:
                                  int(usage.get("completion_tokens") or len(events)))
         for event in events:
             yield event
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's body as vLLM's disaggregation proxy rewrites it for the prefill replica: one token, not
+    streamed (a minimum of tokens could not be met), asking it to keep the KV for a remote decode."""
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
+    leg.update(stream=False, max_tokens=1, kv_transfer_params=dict(PREFILL_KV_PARAMS))
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    return leg
 
 
 async def relay_openai_stream(events: AsyncIterator[SSEEvent], backend: str, chat: bool,

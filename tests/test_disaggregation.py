@@ -184,6 +184,18 @@ def test_a_prefill_worker_killed_mid_transfer_is_replaced_by_a_local_prefill(pd_
     assert paths(pd_gateway)["remote"] == remote + 1  # the restarted prefill worker takes handovers again
 
 
+def test_the_kv_can_travel_in_the_workers_zeromq_messages(tmp_path: Path, engine_fp32):
+    """kv_transport = "zmq" (workers that share no memory): the same text, and no handover file is written."""
+    config = PD_CONFIG.replace("prefill_replicas = 1\n", 'prefill_replicas = 1\nkv_transport = "zmq"\n')
+    with running_gateway(config, tmp_path) as url:
+        prompt = "Inline. " + LONG
+        assert completions(url, prompt, 16, stream=True) == colocated(engine_fp32, prompt, 16)
+        assert paths(url) == {"remote": 1.0}
+        sizes = [v for labels, v in samples(url, "llmgw_pd_kv_transfer_bytes_sum")]
+        assert sizes and sizes[0] > 0
+        wait_until(lambda: all_free(url), "both workers idle")
+
+
 def test_check_config_names_the_roles(tmp_path: Path):
     import subprocess
     import sys

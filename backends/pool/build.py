@@ -3,18 +3,26 @@ replicas (`endpoints`, `discovery = "dns"`, or `replicas > 1` on an engine)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
-from backends.base import Backend
+import msgspec
+
+from backends.base import Backend, describe
 from backends.pool.disaggregated import DisaggregatedPool
-from backends.pool.discovery import Resolver
+from backends.pool.discovery import Resolver, discover
 from backends.pool.pool import PoolBackend
-from backends.pool.settings import PoolFields
+from backends.pool.settings import BalancePolicy, PoolFields
 from backends.registry import get_backend_class
+
+log = logging.getLogger("llmgw")
 
 
 def make_backend(name: str, type_name: str, settings: Any, resolver: Resolver | None = None) -> Backend:
     cls = get_backend_class(type_name)
+    if isinstance(settings, PoolFields) and settings.disaggregated:
+        return http_disaggregated(name, settings, cls, resolver)  # type: ignore[return-value]
     if isinstance(settings, PoolFields) and settings.is_pool:
         return PoolBackend.for_http(name, settings, cls, resolver)  # type: ignore[return-value]
     replicas = getattr(settings, "replicas", 1)
@@ -50,3 +58,42 @@ def engine_disaggregated(name: str, settings: Any) -> DisaggregatedPool:
     decode = engine_pool(name, settings, settings.replicas - settings.prefill_replicas, "decode", "least_load", name)
     return DisaggregatedPool(name, prefill, decode, settings.pd_threshold_tokens, settings.prefill_timeout,
                              decode_caches_prefixes=settings.enable_prefix_caching)
+
+
+def http_disaggregated(name: str, settings: Any, cls: type[Backend], resolver: Resolver | None) -> DisaggregatedPool:
+    """vLLM's prefill/decode over HTTP: a pool of `prefill_endpoints` (by prefix: a replica that prefilled a
+    prefix has it cached) and one of `decode_endpoints` (by load). vLLM caches prefixes by default, so the
+    decode replica's cache counts against the threshold."""
+    prefill = _role_pool(name, settings, settings.prefill_endpoints, "prefix", cls, resolver)
+    decode = _role_pool(name, settings, settings.decode_endpoints, "least_load", cls, resolver)
+    return DisaggregatedPool(name, prefill, decode, settings.pd_threshold_tokens, settings.prefill_timeout,
+                             decode_caches_prefixes=True)
+
+
+def _role_pool(name: str, settings: Any, urls: list[str], balance: BalancePolicy, cls: type[Backend],
+               resolver: Resolver | None) -> PoolBackend:
+    """One role's pool: its URLs as `endpoints`, or with DNS every address of each URL's host."""
+    dns = settings.discovery == "dns"
+    role = msgspec.structs.replace(settings, prefill_endpoints=[], decode_endpoints=[], balance=balance,
+                                   base_url=urls[0] if dns else "", endpoints=[] if dns else list(urls))
+    if not dns:
+        return PoolBackend.for_http(name, role, cls, resolver)
+    pool = _NamesPool.for_http(name, role, cls, resolver)
+    pool.dns_urls = list(urls)  # type: ignore[attr-defined]
+    return pool
+
+
+class _NamesPool(PoolBackend):
+    """DNS discovery over several URLs (a role may list one headless Service per zone): the replicas are
+    every address of each URL's host, at that URL's scheme, port and path."""
+
+    dns_urls: list[str] = []
+
+    async def _resolve(self) -> list[str] | None:
+        try:
+            found = await asyncio.gather(*(discover(url, self.resolver) for url in self.dns_urls))
+        except Exception as exc:  # as the pool's own lookup: keep the replicas it has
+            log.warning("backend %s: DNS lookup failed (%s); keeping %d replica(s)", self.name, describe(exc),
+                        len(self.replicas))
+            return None
+        return list(dict.fromkeys(url for urls in found for url in urls))

@@ -12,6 +12,9 @@ from typing import Literal
 import msgspec
 
 BalancePolicy = Literal["round_robin", "least_load", "prefix"]
+# uncached prompt tokens from which prefill goes to a prefill replica, for engine workers and vLLM pools alike;
+# BENCHMARKS.md "Prefill/decode disaggregation" says where this comes from
+PD_THRESHOLD_TOKENS = 128
 
 
 class PoolFields(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,18 +36,36 @@ class PoolFields(msgspec.Struct, frozen=True, kw_only=True):
     stale_after: float | None = None  # scraped figures older than this are ignored; default 3 scrape intervals
     eject_after_failures: int = 3  # consecutive failures that take one replica out...
     eject_cooldown: float = 30.0  # ...for this many seconds
+    # prefill/decode disaggregation (backends/pool/disaggregated.py): two pools instead of `base_url`/`endpoints`,
+    # each a list of URLs (with discovery = "dns", every address of each URL's host is a replica of that role)
+    prefill_endpoints: list[str] = []
+    decode_endpoints: list[str] = []
+    pd_threshold_tokens: int = PD_THRESHOLD_TOKENS  # uncached prompt tokens from which prefill goes remote
+    prefill_timeout: float = 60.0  # seconds for the prefill leg before the decode replica prefills itself
 
     @property
     def is_pool(self) -> bool:
-        return bool(self.endpoints) or self.discovery == "dns"
+        return bool(self.endpoints) or self.discovery == "dns" or self.disaggregated
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_endpoints or self.decode_endpoints)
+
+    def pd_refusal(self) -> str | None:
+        """Why this backend type cannot run prefill/decode legs (None: it can). A type that relays a KV
+        connector's handover says so by overriding this; the others refuse the keys at config load."""
+        return (f"type {getattr(self, 'type', '?')!r} cannot run prefill/decode legs: only type \"openai\" with "
+                "flavor \"vllm\" relays vLLM's kv_transfer_params")
 
     def check_pool(self, base_url: str) -> None:
         """Raised errors become config errors at the backend's table."""
-        if self.endpoints and base_url:
+        if self.disaggregated:
+            self._check_disaggregated(base_url)
+        elif self.endpoints and base_url:
             raise ValueError("give either `base_url` or `endpoints`, not both")
-        if not self.endpoints and not base_url:
+        elif not self.endpoints and not base_url:
             raise ValueError("`base_url` or `endpoints` is required")
-        if self.discovery == "dns" and not base_url:
+        elif self.discovery == "dns" and not base_url:
             raise ValueError("discovery = \"dns\" resolves `base_url`'s host: give `base_url`, not `endpoints`")
         if len(set(self.endpoints)) != len(self.endpoints):
             raise ValueError("`endpoints` lists one URL twice")
@@ -59,9 +80,25 @@ class PoolFields(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("`scrape_interval` and `balance_abs_threshold` must be >= 0, "
                              "`cache_threshold` in [0, 1]")
 
+    def _check_disaggregated(self, base_url: str) -> None:
+        refusal = self.pd_refusal()
+        if refusal:
+            raise ValueError(refusal)
+        if not (self.prefill_endpoints and self.decode_endpoints):
+            raise ValueError("give both `prefill_endpoints` and `decode_endpoints`, or neither")
+        if base_url or self.endpoints:
+            raise ValueError("`prefill_endpoints`/`decode_endpoints` replace `base_url` and `endpoints`: give one way")
+        both = [*self.prefill_endpoints, *self.decode_endpoints]
+        if len(set(both)) != len(both):  # a replica has one role: the KV goes from one to another
+            raise ValueError("a URL is listed twice in `prefill_endpoints` and `decode_endpoints`")
+        if self.pd_threshold_tokens < 0 or self.prefill_timeout <= 0:
+            raise ValueError("`pd_threshold_tokens` must be >= 0 and `prefill_timeout` > 0")
+
     def describe(self) -> str:
         """What `llmgw check-config` prints of the backend: its replicas and how they are balanced."""
         base_url = getattr(self, "base_url", "")
+        if self.disaggregated:
+            return self._describe_disaggregated()
         if not self.is_pool:
             return f"one server, {base_url}"
         if self.discovery == "dns":
@@ -77,6 +114,19 @@ class PoolFields(msgspec.Struct, frozen=True, kw_only=True):
                   else "no scraping (this gateway's own counts only)")
         return (f"{replicas}; balance {rule}; {scrape}; a replica is ejected after {self.eject_after_failures} "
                 f"failures, for {self.eject_cooldown:g} s")
+
+    def _describe_disaggregated(self) -> str:
+        if self.discovery == "dns":
+            roles = [f"every address of {url}'s host as {role}" for role, urls in
+                     (("prefill", self.prefill_endpoints), ("decode", self.decode_endpoints)) for url in urls]
+            replicas = f"prefill/decode pools of {'; '.join(roles)} (resolved every {self.dns_interval:g} s)"
+        else:
+            roles = [f"{url} prefill" for url in self.prefill_endpoints]
+            roles += [f"{url} decode" for url in self.decode_endpoints]
+            replicas = "prefill/decode pools: " + ", ".join(roles)
+        return (f"{replicas}; prefill balanced by prefix, decode by least load; prefill goes remote from "
+                f"{self.pd_threshold_tokens} uncached prompt tokens (else the decode replica prefills), its leg "
+                f"times out after {self.prefill_timeout:g} s")
 
     @property
     def stale_seconds(self) -> float:
