@@ -79,13 +79,11 @@ def engine_fp32(smollm_dir: Path):
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """vLLM takes about two minutes to start: when its tests are selected, begin now, while others run."""
-    from tests.vllm_server import start_vllm, start_vllm_pd
+    from tests.vllm_server import start_vllm
 
     pd = any("test_vllm_disaggregation" in item.nodeid and "real_vllm" in item.nodeid for item in session.items)
     if pd or any("test_vllm_upstream" in item.nodeid for item in session.items):
         start_vllm(resolve_model_dir("embedded"))  # the plain server is the P/D tests' reference too
-    if pd:
-        start_vllm_pd(resolve_model_dir("embedded"))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -5,21 +5,20 @@ the client leaving, an error, a killed worker), every block on both workers is f
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_core import LLMEngine, SamplingParams
 from engine_core.kv_transfer import PREFIX, transfer_dir
 from tests.server import CLIENT_TIMEOUT, ENGINE_CONFIG, running_gateway, wait_until
+from tests.test_engine_worker import engine_greedy as colocated  # one engine's answer: the reference
+from tests.test_engine_worker import sse_data
 
 THRESHOLD = 48  # tokens; the prompts below are far from it on either side
 WORKERS = ("local-prefill-0", "local-decode-0")
@@ -72,17 +71,6 @@ def all_free(url: str) -> bool:
     files = list(transfer_dir().glob(f"{PREFIX}*"))
     return (len(total) == 2 and all(total.values()) and set(used.values()) == {0.0}
             and set(running.values()) == {0.0} and set(waiting.values()) == {0.0} and not files)
-
-
-def colocated(engine: LLMEngine, prompt: str | list[int], n: int) -> str:
-    [out] = engine.generate([prompt], SamplingParams(max_new_tokens=n))
-    return "".join(o.text for o in out)
-
-
-def sse_data(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    for line in lines:
-        if line.startswith("data: {"):
-            yield json.loads(line[6:])
 
 
 def completions(url: str, prompt: str, n: int, stream: bool) -> str:

@@ -25,7 +25,7 @@ from backends.pool.disaggregated import DisaggregatedPool
 from gateway.config import ConfigError, parse_config
 from tests.server import CLIENT_TIMEOUT, running_gateway
 from tests.upstream import Reply, ScriptedUpstream, scripted_upstream, split_every
-from tests.vllm_server import SERVED_NAME, wait_for_vllm_pd
+from tests.vllm_server import SERVED_NAME, stop_vllm_pd, wait_for_vllm_pd
 
 RECORDINGS = Path(__file__).parent / "recordings_pd"
 CASES = ("completions-whole", "completions-stream", "chat-stream")
@@ -321,9 +321,15 @@ def vllm_counter(url: str, name: str, **labels: str) -> float:
 @pytest.fixture(scope="module")
 def real_pd(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """The gateway in front of the real prefill and decode servers, and the decode server's URL."""
-    prefill, decode = wait_for_vllm_pd()
-    with running_gateway(pd_config([prefill], [decode]), tmp_path_factory.mktemp("real-pd"), timeout=180) as url:
-        yield url, decode
+    from engine_core.loader import resolve_model_dir
+
+    try:
+        prefill, decode = wait_for_vllm_pd(resolve_model_dir("embedded"))
+        with running_gateway(pd_config([prefill], [decode]), tmp_path_factory.mktemp("real-pd"),
+                             timeout=180) as url:
+            yield url, decode
+    finally:
+        stop_vllm_pd()
 
 
 @pytest.mark.parametrize("case", CASES)

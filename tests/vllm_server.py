@@ -107,16 +107,27 @@ def wait_for_vllm(timeout: float = 600.0) -> str:
     return _wait_ready(_server, "vLLM", timeout)
 
 
-def wait_for_vllm_pd(timeout: float = 600.0) -> tuple[str, str]:
-    """The (prefill, decode) servers' URLs once both answer."""
+def wait_for_vllm_pd(model_dir: Path, timeout: float = 600.0) -> tuple[str, str]:
+    """Start the prefill and decode servers; their URLs once both answer. Only for the tests that use them
+    (`stop_vllm_pd` after): their NIXL connectors keep a core busy each while they run, even idle."""
     wait_for_vllm(timeout)  # the same conditions; and the plain server is the reference
+    start_vllm_pd(model_dir)
     if not _pd:
         pytest.skip("the vLLM venv has no nixl package (make vllm-env installs it): no P/D servers")
     return _wait_ready(_pd["prefill"], "vLLM prefill", timeout), _wait_ready(_pd["decode"], "vLLM decode", timeout)
 
 
+def stop_vllm_pd() -> None:
+    _stop(list(_pd.values()))
+    _pd.clear()
+
+
 def stop_vllm() -> None:
-    for server in (_server, *_pd.values()):
+    _stop([_server, *_pd.values()])
+
+
+def _stop(servers: list[dict[str, object]]) -> None:
+    for server in servers:
         proc = server.get("proc")
         if isinstance(proc, subprocess.Popen):
             proc.terminate()
