@@ -39,8 +39,8 @@ from backends.base import (
     UpstreamError,
     describe,
 )
-from backends.pool.pool import PoolBackend, prompt_tokens
-from backends.pool.prefix_index import PrefixIndex, request_block_hashes
+from backends.pool.pool import PoolBackend
+from backends.pool.prefix_index import PrefixIndex, prompt_tokens, request_block_hashes
 from backends.pool.replica import Replica
 
 log = logging.getLogger("llmgw")

@@ -34,7 +34,7 @@ from backends.base import (
 )
 from backends.pool.balance import Choice, Policy, PrefixAware, make_policy
 from backends.pool.discovery import Resolver, discover, resolve_host
-from backends.pool.prefix_index import request_block_hashes
+from backends.pool.prefix_index import prompt_tokens, request_block_hashes
 from backends.pool.replica import Replica
 from backends.pool.settings import PoolFields
 from backends.pool.signals import metrics_url, parse_metrics, signals_of
@@ -392,11 +392,3 @@ class PoolBackend:
     def replica_states(self) -> list[Replica]:
         return list(self.replicas)
 
-
-def prompt_tokens(request: GenerationRequest) -> int:
-    """The prompt's length in tokens, or an estimate when the gateway did not tokenize it."""
-    if request.prompt_token_ids:
-        return len(request.prompt_token_ids)
-    if request.prompt is not None:
-        return len(request.prompt) // 4  # about 4 characters a token (llm-d's estimate too)
-    return sum(len(m.content or "") for m in request.messages or []) // 4

@@ -54,6 +54,15 @@ def request_block_hashes(request: GenerationRequest, block_tokens: int, block_ch
     return text_block_hashes(routing_text(request.messages or []), block_chars, max_blocks)
 
 
+def prompt_tokens(request: GenerationRequest) -> int:
+    """The prompt's length in tokens, or an estimate when the gateway did not tokenize it."""
+    if request.prompt_token_ids:
+        return len(request.prompt_token_ids)
+    if request.prompt is not None:
+        return len(request.prompt) // 4  # about 4 characters a token (llm-d's estimate too)
+    return sum(len(m.content or "") for m in request.messages or []) // 4
+
+
 class PrefixIndex:
     """hash → the replicas holding it, plus one LRU of hashes per replica (`capacity` each), so
     memory is bounded by replicas × capacity whatever the traffic."""
