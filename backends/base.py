@@ -140,6 +140,7 @@ class TokenLogprob(msgspec.Struct, frozen=True):
 class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, how many came from a prefix cache (when the backend says)
 
     @property
     def total_tokens(self) -> int:

@@ -234,7 +234,7 @@ class EngineBackend:
                 if out.finish_reason is not None:
                     event.finish_reason = FinishReason(out.finish_reason)
                     event.stop_string = out.stop_string
-                    event.usage = Usage(out.num_prompt_tokens, out.num_output_tokens)
+                    event.usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
                 yield event
         except RequestError as exc:
             raise BackendValidationError(str(exc)) from None

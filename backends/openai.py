@@ -279,7 +279,7 @@ class OpenAIBackend:
             raise error_for_status(502, "the answer has no finish_reason", self.name)
         usage = payload.get("usage") or {}
         events[-1].usage = Usage(int(usage.get("prompt_tokens") or 0),
-                                 int(usage.get("completion_tokens") or len(events)))
+                                 int(usage.get("completion_tokens") or len(events)), _cached(usage))
         for event in events:
             yield event
 
@@ -323,7 +323,8 @@ async def relay_openai_stream(events: AsyncIterator[SSEEvent], backend: str, cha
                     yield event
         usage = chunk.get("usage")
         if usage and final is not None:
-            final.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or count))
+            final.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or count),
+                                _cached(usage))
     tools.finish()
     if final is not None:
         final.usage = final.usage or Usage(0, count)
@@ -338,6 +339,12 @@ def _decode(data: str, backend: str) -> dict[str, Any]:
     if not isinstance(chunk, dict):
         raise UpstreamError(f"{backend}: unexpected event: {data[:200]!r}")
     return chunk
+
+
+def _cached(usage: dict[str, Any]) -> int:
+    """vLLM's (and OpenAI's) prefix-cache hits: usage.prompt_tokens_details.cached_tokens, when reported."""
+    details = usage.get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
 
 
 def _stream_error(chunk: dict[str, Any], backend: str) -> Exception:

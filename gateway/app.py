@@ -23,6 +23,7 @@ from gateway.errors import GatewayError
 from gateway.generation import ClientGone
 from gateway.policy.guards import AuthMiddleware, ClientLimitsMiddleware
 from gateway.routes.admin import AdminController
+from gateway.routes.keys_admin import KeysAdminController
 from gateway.routes.lora_admin import LoraAdminController
 from gateway.routes.messages import MessagesController
 from gateway.routes.openai import OpenAIController
@@ -95,6 +96,7 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        await gateway.accounts.open()  # a state database with a schema it does not know stops the start here
         gateway.start_backends()
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGHUP reloads the config file
@@ -122,7 +124,7 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
     middleware += [lambda app: ClientLimitsMiddleware(app, gateway), lambda app: AuthMiddleware(app, gateway)]
     app = Litestar(
         route_handlers=[TgiController, OpenAIController, ResponsesController, MessagesController, AdminController,
-                        LoraAdminController, metrics, live],
+                        KeysAdminController, LoraAdminController, metrics, live],
         middleware=middleware,
         dependencies={"gateway": Provide(provide_gateway, sync_to_thread=False)},
         lifespan=[lifespan],

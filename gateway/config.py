@@ -43,6 +43,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     traces: Literal["none", "console", "otlp"] = "none"  # OpenTelemetry exporter; otlp needs its package
     log_format: Literal["json", "console"] = "json"  # access log lines
     log_text: bool = False  # put prompt and output text in the access log (off: never logged)
+    metrics_per_key: bool = False  # per-API-key request and token counters (labels: key names, never secrets)
+    max_key_series: int = 100  # ...at most this many keys by name; the rest count under "other"
 
     def resolved_admin_key(self) -> str | None:
         """The admin key: from the environment variable named in admin_key_env, else admin_key."""
@@ -91,12 +93,44 @@ class ApiKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     models: list[str] = []  # models (or aliases) it may use; empty: all
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None  # prompt + generated tokens
+    max_tokens_per_day: int | None = None  # token budgets (UTC day, UTC month): prompt + generated tokens
+    max_tokens_per_month: int | None = None
 
 
 class AuthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     keys: list[ApiKey] = []  # none: the generation routes are open
     protect_health: bool = False  # /health, /ping, /info need a key too
     protect_metrics: bool = False  # /metrics needs a key (any key, or the admin key)
+
+
+class StateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[state]`: keys, usage and stored Responses in a database; limits shared through Redis."""
+
+    database: str | None = None  # sqlite:///PATH or postgresql://...; default: state.db in the state directory
+    redis: str | None = None  # redis://host:port/db: rate limits and budgets shared by every replica
+    fail_open: bool = True  # Redis unreachable: serve without shared limits (true) or answer 503 (false)
+    auto_migrate: bool = True  # upgrade the schema at start (false: `llmgw state migrate` must have run)
+    key_refresh_interval: float = 2.0  # seconds between key snapshot refreshes (Postgres also notifies)
+    record_usage: bool = True  # one usage row per request
+    log_content: bool = False  # usage rows carry prompt and output text
+    usage_buffer_rows: int = 100_000  # rows held while the database is unreachable; then the oldest go
+    usage_batch_rows: int = 500
+    usage_flush_interval: float = 1.0
+    responses_ttl: float = 30 * 86400.0  # stored Responses (OpenAI keeps them 30 days)
+
+    def resolved_database(self) -> str:
+        if self.database:
+            return self.database
+        return f"sqlite:///{state_directory() / 'state.db'}"
+
+
+def state_directory() -> Path:
+    """$LLMGW_STATE_DIR, else /var/lib/llmgw for root, else $XDG_STATE_HOME/llmgw (~/.local/state/llmgw)."""
+    if os.environ.get("LLMGW_STATE_DIR"):
+        return Path(os.environ["LLMGW_STATE_DIR"])
+    if os.geteuid() == 0:
+        return Path("/var/lib/llmgw")
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "llmgw"
 
 
 class BackendEntry(msgspec.Struct, frozen=True):
@@ -108,6 +142,7 @@ class BackendEntry(msgspec.Struct, frozen=True):
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     server: ServerConfig
     auth: AuthConfig = AuthConfig()
+    state: StateConfig | None = None  # None: keys from the config only, limits and stored Responses per process
     backends: dict[str, BackendEntry]
     models: dict[str, ModelConfig]
     default_model: str
@@ -149,7 +184,7 @@ def primary_routes(model: ModelConfig) -> list[WeightedRoute]:
     return list(model.routes) if model.routes else [WeightedRoute(model.backend or "", 1.0)]
 
 
-_TOP_LEVEL = {"server", "auth", "backends", "models", "default_model"}
+_TOP_LEVEL = {"server", "auth", "state", "backends", "models", "default_model"}
 
 
 def _where(prefix: str, exc: msgspec.ValidationError) -> str:
@@ -183,6 +218,9 @@ def parse_config(text: str, source: str = "<memory>") -> GatewayConfig:
             raise ConfigError(f"{key}: unknown key (expected one of {sorted(_TOP_LEVEL)})")
     server = _convert(raw.get("server", {}), ServerConfig, "server")
     auth = _convert(raw.get("auth", {}), AuthConfig, "auth")
+    state = _check_state(_convert(raw["state"], StateConfig, "state")) if "state" in raw else None
+    if state is not None and state.record_usage and not server.telemetry:
+        raise ConfigError("state.record_usage: needs server.telemetry = true (usage rows come from the request record)")
 
     raw_backends = raw.get("backends", {})
     if not isinstance(raw_backends, dict) or not raw_backends:
@@ -225,7 +263,7 @@ def parse_config(text: str, source: str = "<memory>") -> GatewayConfig:
     if default_model not in seen_names:
         raise ConfigError(f"default_model: no model named {default_model!r} (defined: {sorted(models)})")
     _check_auth(auth, seen_names)
-    return GatewayConfig(server=server, auth=auth, backends=backends, models=models,
+    return GatewayConfig(server=server, auth=auth, state=state, backends=backends, models=models,
                          default_model=seen_names[default_model], source=source,
                          version=hashlib.sha256(text.encode()).hexdigest()[:12])
 
@@ -247,10 +285,25 @@ def _check_auth(auth: AuthConfig, model_names: dict[str, str]) -> None:
         for j, model in enumerate(key.models):
             if model not in model_names:
                 raise ConfigError(f"{where}.models[{j}]: no model named {model!r}")
-        for limit in ("requests_per_minute", "tokens_per_minute"):
+        for limit in ("requests_per_minute", "tokens_per_minute", "max_tokens_per_day", "max_tokens_per_month"):
             value = getattr(key, limit)
             if value is not None and value < 1:
                 raise ConfigError(f"{where}.{limit}: must be >= 1, got {value}")
+
+
+def _check_state(state: StateConfig) -> StateConfig:
+    scheme = state.resolved_database().partition("://")[0].split("+")[0]
+    if scheme not in ("sqlite", "postgresql", "postgres"):
+        raise ConfigError(f"state.database: expected sqlite:///PATH or postgresql://..., got a {scheme!r} URL")
+    if state.redis is not None and not state.redis.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError("state.redis: expected redis://host:port/db (or rediss://, unix://)")
+    for key in ("key_refresh_interval", "usage_flush_interval", "responses_ttl"):
+        if getattr(state, key) <= 0:
+            raise ConfigError(f"state.{key}: must be > 0, got {getattr(state, key):g}")
+    for key in ("usage_buffer_rows", "usage_batch_rows"):
+        if getattr(state, key) < 1:
+            raise ConfigError(f"state.{key}: must be >= 1, got {getattr(state, key)}")
+    return state
 
 
 def _check_routing(name: str, model: ModelConfig, backends: dict[str, BackendEntry]) -> None:

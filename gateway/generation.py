@@ -26,9 +26,10 @@ from backends.base import (
 )
 from gateway.closing import close_detached
 from gateway.errors import GatewayError
-from gateway.policy.auth import Principal, current_principal
+from gateway.policy.auth import current_principal
 from gateway.routing.router import ModelRoute
 from gateway.routing.shadow import tap
+from gateway.store.limits import Reservation
 from gateway.telemetry.record import RequestRecord, current_record
 from gateway.tools.calls import ToolCallAccumulator
 
@@ -61,10 +62,19 @@ async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> S
     """Send the request to the route's first tier; when it fails before its first token (cannot
     connect, 5xx, 429, first-token timeout) retry it up to `retries` times with backoff, then go on
     to the next tier. The stream returned has its first token in hand: after that nothing is
-    retried, and a failure ends it with a typed error."""
+    retried, and a failure ends it with a typed error. The API key's limits are reserved first, and
+    settled when the stream ends (to nothing, if it never starts)."""
+    reservation = await gw.accounts.quota.reserve(current_principal.get(), request)
+    try:
+        return await _start(gw, route, request, reservation)
+    except BaseException:
+        gw.accounts.quota.settle(reservation, 0)
+        raise
+
+
+async def _start(gw: Gateway, route: ModelRoute, request: GenerationRequest, reservation: Reservation | None) -> Served:
     sent = time.perf_counter()
     rec = current_record.get()
-    principal = current_principal.get()
     if route.adapter is not None and request.adapter is None:  # chosen by the door (OpenAI model, TGI adapter_id)
         request = msgspec.structs.replace(request, adapter=route.adapter)
     if rec is not None and request.adapter is not None:
@@ -100,7 +110,8 @@ async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> S
             else:
                 gw.health.record_success(name)
                 relayed = _relay(gw, name, backend, first, stream, deadline, timeout)
-                events = _observe(gw, rec, principal, route.name, name, relayed, span, sent_ns)
+                events = _observe(gw, rec, reservation, request.max_new_tokens, route.name, name, relayed, span,
+                                  sent_ns)
                 if route.shadow is not None and route.config.shadow is not None:
                     pair = gw.shadows.mirror(route.name, name, route.shadow, route.config.shadow.max_concurrency,
                                              request)
@@ -133,11 +144,12 @@ def _timed_out(timeout: float | None) -> GatewayError:
     return GatewayError(f"the request took longer than its {timeout:g} s limit (request_timeout)", kind="timeout")
 
 
-async def _observe(gw: Gateway, rec: RequestRecord | None, principal: Principal | None, model: str, backend: str,
-                   events: AsyncIterator[TokenEvent], span: Any, sent_ns: int) -> AsyncIterator[TokenEvent]:
-    """Note what the metrics, access log, trace and the key's token budget need as the events pass."""
+async def _observe(gw: Gateway, rec: RequestRecord | None, reservation: Reservation | None, max_new_tokens: int,
+                   model: str, backend: str, events: AsyncIterator[TokenEvent], span: Any,
+                   sent_ns: int) -> AsyncIterator[TokenEvent]:
+    """Note what the metrics, access log, usage record, trace and the key's limits need as the events pass."""
     itl = gw.metrics.itl.labels(model, backend)
-    log_text = gw.config.server.log_text
+    log_text = gw.config.server.log_text or (gw.config.state is not None and gw.config.state.log_content)
     first: TokenEvent | None = None
     first_ns: int | None = None
     previous = 0.0
@@ -169,6 +181,7 @@ async def _observe(gw: Gateway, rec: RequestRecord | None, principal: Principal 
                     final = event.usage_or_count(count)
                     rec.generated_tokens += final.completion_tokens
                     rec.prompt_tokens = max(rec.prompt_tokens, final.prompt_tokens)
+                    rec.cached_tokens = max(rec.cached_tokens, final.cached_tokens)
             yield event
     except GatewayError as exc:
         error = exc.kind
@@ -179,8 +192,9 @@ async def _observe(gw: Gateway, rec: RequestRecord | None, principal: Principal 
     finally:
         await close_detached(events)  # an `async for` left early does not close what it iterates
         gw.tracing.end_backend_call(span, sent_ns, first, first_ns, error)
-        if principal is not None:
-            principal.charge_tokens(usage.total_tokens if usage else count)
+        if reservation is not None:  # without a usage: what it generated, and its prompt as reserved
+            gw.accounts.quota.settle(reservation, usage.total_tokens if usage else
+                            count + reservation.amount - max_new_tokens)
 
 
 async def _relay(gw: Gateway, name: str, backend: Backend, first: TokenEvent, stream: AsyncIterator[TokenEvent],

@@ -4,7 +4,8 @@ In memory, per gateway process, bounded two ways: at most `capacity` responses (
 and each for `ttl` seconds after it was stored. An entry keeps the response object as it was answered
 and the conversation it ends (the earlier turns, this turn's input and its output, as core chat
 messages; `instructions` are not carried over, as OpenAI does not carry them over either). An entry
-belongs to the API key that made it; another key sees no such response. A restart forgets everything.
+belongs to the API key that made it; another key sees no such response. Without a state database a
+restart forgets everything; with one (gateway/store/responses.py) this is its per-process cache.
 """
 
 from __future__ import annotations
@@ -65,3 +66,19 @@ class ResponsesStore:
             if first.expires > now:
                 break
             self._entries.popitem(last=False)
+
+
+class MemoryResponses:
+    """The async interface the Responses routes use, over one process's ResponsesStore (no state database)."""
+
+    def __init__(self, store: ResponsesStore | None = None) -> None:
+        self.cache = store or ResponsesStore()
+
+    async def put(self, response: Response, conversation: list[ChatMessage], owner: str | None) -> None:
+        self.cache.put(response, conversation, owner)
+
+    async def get(self, response_id: str, owner: str | None) -> StoredResponse | None:
+        return self.cache.get(response_id, owner)
+
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        return self.cache.delete(response_id, owner)

@@ -20,6 +20,7 @@ from backends.base import Backend
 from backends.pool.build import make_backend
 from gateway.config import ConfigError, GatewayConfig, parse_config, primary_routes
 from gateway.errors import GatewayError
+from gateway.policy.accounts import Accounts
 from gateway.policy.auth import KeyRing
 from gateway.routing.admission import Admission, ModelGate
 from gateway.routing.health import HealthTracker
@@ -62,7 +63,7 @@ class Gateway:
         self._in_flight = [0]  # shared with each Admission, which gives its place back
         self.gates: dict[str, ModelGate] = {}
         self.draining = False
-        self.keys = KeyRing(config)
+        self.accounts = Accounts(config)
         self.users: dict[int, int] = {}  # by id(backend): requests generating on it now
         self._tasks: list[asyncio.Task[None]] = []
         self._reload_lock: asyncio.Lock | None = None
@@ -80,6 +81,10 @@ class Gateway:
     @property
     def backends(self) -> dict[str, Backend]:
         return self.snapshot.backends
+
+    @property
+    def keys(self) -> KeyRing:
+        return self.accounts.keys
 
     # lifecycle
 
@@ -222,6 +227,7 @@ class Gateway:
         for backend in self.backends.values():
             with contextlib.suppress(Exception):
                 await backend.aclose()
+        await self.accounts.aclose()
 
     # requests
 
@@ -305,6 +311,9 @@ class Gateway:
             old = self.snapshot
             if new.version == old.config.version:
                 return old.config
+            if new.state != old.config.state:
+                raise ConfigError("state: the [state] table changes only with a restart; "
+                                  "the active config is unchanged")
             backends: dict[str, Backend] = {}
             fresh: dict[str, Backend] = {}
             for name, entry in new.backends.items():
@@ -318,7 +327,7 @@ class Gateway:
             await self._start_fresh(fresh)
             self.health.eject_after = max(1, new.server.eject_after_failures)
             self.health.cooldown = new.server.eject_cooldown
-            self.keys = KeyRing(new, self.keys)
+            self.accounts.reconfigure(new)
             self.snapshot = Snapshot(new, backends, Router(new, backends, self.health, failed=self.failed))
             kept = {id(b) for b in backends.values()}
             for backend in old.backends.values():

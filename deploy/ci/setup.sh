@@ -116,5 +116,21 @@ else
     done_ "${used_gb} GB used (limit ${limit_gb} GB)"
 fi
 
+# 6. PostgreSQL and redis-server for the state store's tests (tests/services.py starts throwaway servers on free
+#    ports as needed; nothing is started here). Debian's postgresql puts initdb and pg_ctl off PATH.
+step "postgresql and redis-server"
+pg_bin() { command -v initdb >/dev/null && command -v pg_ctl >/dev/null && { dirname "$(command -v initdb)"; return; }
+           for d in /usr/lib/postgresql/*/bin; do [ -x "$d/initdb" ] && [ -x "$d/pg_ctl" ] && { echo "$d"; return; }; done
+           return 1; }
+if pg_bin >/dev/null && command -v redis-server >/dev/null; then
+    done_ "already installed ($(pg_bin), $(redis-server --version | awk '{print $3}'))"
+else
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql redis-server >/dev/null
+    # the packages' own services are not needed: stop whatever the install started
+    { service postgresql stop; service redis-server stop; } >/dev/null 2>&1 || true
+    done_ "installed ($(pg_bin), $(redis-server --version | awk '{print $3}'))"
+fi
+
 echo "== setup: podman $(podman info --format '{{.Host.OCIRuntime.Name}} {{.Store.GraphDriverName}}'), \
 $(du -sh /var/lib/containers 2>/dev/null | cut -f1) in /var/lib/containers"

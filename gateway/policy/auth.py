@@ -1,59 +1,34 @@
-"""API keys: who may call which model, how often, and with how many tokens.
+"""API keys: who may call which model, and with which limits.
 
-Keys come from the config or from environment variables. A presented key is compared with every
-configured key in constant time (its SHA-256 against each key's), so neither its value nor its
-position leaks by timing; keys are never logged or echoed, only their names.
-Rate limits are token buckets refilled continuously: requests per minute, and prompt plus generated
-tokens per minute (charged when a generation ends, so one request may overdraw; the next waits).
+Keys come from the config (or environment variables) and, with a state database, from its snapshot
+(gateway/store/key_snapshot.py): authenticating never waits on the database. A presented key is found
+by its SHA-256 (a dictionary lookup on a digest reveals nothing usable about a secret by its timing);
+keys are never logged or echoed, only their names. A rotated key's previous secret keeps working until
+its grace period ends. Rate limits and token budgets are counted by gateway/policy/quota.py.
 """
 
 from __future__ import annotations
 
 import contextvars
 import hashlib
-import hmac
 import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from gateway.config import GatewayConfig
+from gateway.config import ApiKey, GatewayConfig
 from gateway.errors import GatewayError
+from gateway.store.keys import StoredKey
+from gateway.store.limits import KeyLimits
 
 
-class Bucket:
-    def __init__(self, per_minute: int) -> None:
-        self.per_minute = per_minute
-        self.capacity = float(per_minute)
-        self.level = float(per_minute)
-        self.rate = per_minute / 60.0
-        self.stamp = time.monotonic()
-
-    def _refill(self) -> None:
-        now = time.monotonic()
-        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
-        self.stamp = now
-
-    def wait_for(self, amount: float) -> float:
-        """Seconds until `amount` is available (0: now)."""
-        self._refill()
-        return max(0.0, (amount - self.level) / self.rate)
-
-    def take(self, amount: float) -> None:
-        self._refill()
-        self.level -= amount
-
-
-@dataclass
+@dataclass(frozen=True)
 class Principal:
     name: str
     models: frozenset[str]  # canonical model names; empty: every model
-    requests: Bucket | None = None
-    tokens: Bucket | None = None
-    digest: bytes = field(default=b"", repr=False)
-
-    def charge_tokens(self, count: int) -> None:
-        if self.tokens is not None:
-            self.tokens.take(count)
+    limits: KeyLimits
+    key_id: str | None = None  # a stored key's id; None for config keys
+    expires_at: float | None = None  # Unix seconds
 
 
 current_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("principal", default=None)
@@ -71,61 +46,59 @@ def bearer(header: str | None) -> str | None:
 
 
 class KeyRing:
-    def __init__(self, config: GatewayConfig, previous: KeyRing | None = None) -> None:
+    """Every key the gateway knows now. `stored` is None while the state database's keys were never
+    loaded: then the doors stay closed (a store that is down at start must not open the gateway)."""
+
+    def __init__(self, config: GatewayConfig, stored: Iterable[StoredKey] | None = None,
+                 store_enabled: bool = False) -> None:
         self.auth = config.auth
-        self.principals: list[Principal] = []
-        kept = {p.name: p for p in previous.principals} if previous else {}
+        self.store_enabled = store_enabled
+        self.stored_loaded = stored is not None
+        self._by_digest: dict[bytes, tuple[Principal, float | None]] = {}  # digest -> (key, valid until)
         for key in config.auth.keys:
             secret = key.key if key.key is not None else os.environ.get(key.key_env or "", "")
-            models = frozenset(found[0] for m in key.models if (found := config.resolve_model(m)) is not None)
-            old = kept.get(key.name)
-            principal = Principal(key.name, models, _bucket(key.requests_per_minute, old and old.requests),
-                                  _bucket(key.tokens_per_minute, old and old.tokens), _digest(secret))
-            self.principals.append(principal)
+            self._by_digest[_digest(secret)] = (self._config_principal(config, key), None)
+        for row in stored or ():
+            if row.revoked_at is not None:
+                continue
+            models = frozenset(found[0] if (found := config.resolve_model(m)) else m for m in row.models)
+            principal = Principal(row.name, models, KeyLimits(row.name, row.rpm, row.tpm, row.max_tokens_per_day,
+                                                              row.max_tokens_per_month), row.id, row.expires_at)
+            self._by_digest[bytes.fromhex(row.secret_hash)] = (principal, None)
+            if row.previous_hash and row.previous_expires_at:
+                self._by_digest.setdefault(bytes.fromhex(row.previous_hash), (principal, row.previous_expires_at))
+        self.count = len({p.name for p, _ in self._by_digest.values()})
+
+    @staticmethod
+    def _config_principal(config: GatewayConfig, key: ApiKey) -> Principal:
+        models = frozenset(found[0] for m in key.models if (found := config.resolve_model(m)) is not None)
+        return Principal(key.name, models, KeyLimits(key.name, key.requests_per_minute, key.tokens_per_minute,
+                                                     key.max_tokens_per_day, key.max_tokens_per_month))
 
     @property
     def enabled(self) -> bool:
-        return bool(self.principals)
+        return bool(self._by_digest) or (self.store_enabled and not self.stored_loaded)
+
+    def principals(self) -> list[Principal]:
+        return list({p.name: p for p, until in self._by_digest.values() if until is None}.values())
 
     def authenticate(self, header: str | None) -> Principal:
         presented = bearer(header)
         if presented is None:
             raise GatewayError("an API key is needed (Authorization: Bearer <key>, or x-api-key: <key>)",
                                kind="unauthorized", code="missing_api_key")
-        digest = _digest(presented)
-        found = None
-        for principal in self.principals:  # no early exit: the time does not depend on which key matched
-            if hmac.compare_digest(digest, principal.digest):
-                found = principal
-        if found is None:
+        found = self._by_digest.get(_digest(presented))
+        now = time.time()
+        if found is None or (found[1] is not None and now > found[1]):
             raise GatewayError("invalid API key", kind="unauthorized", code="invalid_api_key")
-        return found
+        principal = found[0]
+        if principal.expires_at is not None and now > principal.expires_at:
+            raise GatewayError(f"API key '{principal.name}' has expired", kind="unauthorized", code="expired_api_key")
+        return principal
 
     @staticmethod
     def authorize(principal: Principal | None, model: str) -> None:
-        """The key may use `model`, and its request bucket has room (one request is taken)."""
-        if principal is None:
-            return
-        if principal.models and model not in principal.models:
+        """The key may use `model`."""
+        if principal is not None and principal.models and model not in principal.models:
             raise GatewayError(f"this API key may not use model '{model}'", kind="forbidden",
                                code="model_not_allowed", param="model")
-        for bucket, what in ((principal.requests, "requests"), (principal.tokens, "tokens")):
-            if bucket is None:
-                continue
-            wait = bucket.wait_for(1.0)
-            if wait > 0:
-                raise GatewayError(f"rate limit reached for API key '{principal.name}': {bucket.per_minute} "
-                                   f"{what} per minute", kind="rate_limited", code="rate_limit_exceeded",
-                                   headers={"retry-after": str(max(1, round(wait)))})
-        if principal.requests is not None:
-            principal.requests.take(1.0)
-
-
-def _bucket(per_minute: int | None, previous: Bucket | None) -> Bucket | None:
-    """A bucket with the same limit survives a reload, so a reload does not refill anyone's quota."""
-    if per_minute is None:
-        return None
-    if previous is not None and previous.per_minute == per_minute:
-        return previous
-    return Bucket(per_minute)
-

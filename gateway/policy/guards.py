@@ -21,6 +21,8 @@ import msgspec
 
 from gateway.errors import GatewayError
 from gateway.policy.auth import bearer, current_principal
+from gateway.policy.quota import request_counted
+from gateway.telemetry.record import current_record
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -73,9 +75,13 @@ class AuthMiddleware:
         except GatewayError as err:
             return await _reply(scope, send, err)
         token = current_principal.set(principal)
+        counted = request_counted.set([False])
+        if (rec := current_record.get()) is not None:
+            rec.key_name = principal.name
         try:
             await self.app(scope, receive, send)
         finally:
+            request_counted.reset(counted)
             current_principal.reset(token)
 
     def _is_admin(self, header: str | None) -> bool:

@@ -51,23 +51,15 @@ from gateway.protocol.responses import (
 from gateway.protocol.responses import (
     Response as ResponseObject,
 )
-from gateway.responses_store import ResponsesStore
+from gateway.responses_store import MemoryResponses
 from gateway.routes.chat_turn import generate_turn, named_sse, plan_turn, sse_stream, start_turn
 from gateway.routing.admission import Admission
 from gateway.state import Gateway
+from gateway.store.responses import PersistedResponses
 
 _encoder = msgspec.json.Encoder()
 # the ids this door makes; another is refused as malformed before any lookup
 ResponseId = Annotated[str, Parameter(pattern=r"^resp_[0-9a-f]{32}$", description="A stored response's id")]
-
-
-def _store(request: Request) -> ResponsesStore:
-    """One store per app (so per gateway process), made on first use."""
-    state = request.app.state
-    store = state.get("responses_store")
-    if store is None:
-        store = state["responses_store"] = ResponsesStore()
-    return store
 
 
 def _owner() -> str | None:
@@ -134,10 +126,10 @@ class ResponsesController(Controller):
     @post("", summary="Create a response (OpenAI Responses)", operation_id="create_response", status_code=200)
     async def create(self, data: ResponseCreateRequest, gateway: Gateway, request: Request) -> Response | Stream:
         check_request(data)
-        store = _store(request)
+        store = gateway.accounts.responses
         earlier: list[ChatMessage] = []
         if data.previous_response_id is not None:
-            previous = store.get(data.previous_response_id, _owner())
+            previous = await store.get(data.previous_response_id, _owner())
             if previous is None:
                 raise GatewayError(f"Previous response with id '{data.previous_response_id}' not found.",
                                    status=404, param="previous_response_id")
@@ -163,25 +155,26 @@ class ResponsesController(Controller):
         finish = str(result.last.finish_reason)
         body = answer.response(_status(finish), finish, (result.usage.prompt_tokens, result.usage.completion_tokens))
         if data.store:
-            store.put(body, [*conversation, *answer.as_messages()], _owner())
+            await store.put(body, [*conversation, *answer.as_messages()], _owner())
         return Response(body, status_code=200, headers=turn.route.served_headers(result.backend))
 
     @get("/{response_id:str}", summary="A stored response", operation_id="get_response")
-    async def retrieve(self, response_id: ResponseId, request: Request) -> ResponseObject:
-        entry = _store(request).get(response_id, _owner())
+    async def retrieve(self, response_id: ResponseId, gateway: Gateway) -> ResponseObject:
+        entry = await gateway.accounts.responses.get(response_id, _owner())
         if entry is None:
             raise _not_found(response_id)
         return entry.response
 
     @delete("/{response_id:str}", summary="Delete a stored response", operation_id="delete_response",
             status_code=200)
-    async def remove(self, response_id: ResponseId, request: Request) -> DeletedResponse:
-        if not _store(request).delete(response_id, _owner()):
+    async def remove(self, response_id: ResponseId, gateway: Gateway) -> DeletedResponse:
+        if not await gateway.accounts.responses.delete(response_id, _owner()):
             raise _not_found(response_id)
         return DeletedResponse(id=response_id)
 
     @staticmethod
-    async def _stream(admission: Admission, served: Served, answer: _Answer, store: ResponsesStore,
+    async def _stream(admission: Admission, served: Served, answer: _Answer,
+                      store: MemoryResponses | PersistedResponses,
                       conversation: list[ChatMessage]) -> AsyncIterator[bytes]:
         """response.created, in_progress; per output item: added, its deltas, done; then completed
         (incomplete when cut by max_output_tokens; failed on an error). Every event is numbered."""
@@ -267,7 +260,7 @@ class ResponsesController(Controller):
                     kind = ResponseIncomplete if body.status == "incomplete" else ResponseCompleted
                     out.append(emit(kind(response=body)))
                     if answer.data.store:
-                        store.put(body, [*conversation, *answer.as_messages()], owner)
+                        await store.put(body, [*conversation, *answer.as_messages()], owner)
                 for chunk in out:
                     yield chunk
         except GatewayError as err:

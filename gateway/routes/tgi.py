@@ -265,9 +265,15 @@ class TgiController(Controller):
 
 def _readiness(gateway: Gateway) -> Response:
     """200, or TGI's 503 body plus what is not ready: each backend's state (a starting engine names its
-    step: "starting: loading weights from ... (3 s so far)") and whether the server is draining."""
+    step: "starting: loading weights from ... (3 s so far)") and whether the server is draining. A state
+    database that cannot be reached does not make the gateway unready; the body says so."""
+    store = gateway.accounts.status()
+    degraded = store is not None and not store["available"]
     if gateway.healthy():
+        if degraded:  # still serving (known keys work, usage is buffered), but someone should look
+            body = {"status": "degraded", "state_store": store}
+            return Response(msgspec.json.encode(body), status_code=200, media_type="application/json")
         return Response(b"", status_code=200, media_type="text/plain")
     body = {"error": "unhealthy", "error_type": "healthcheck", "draining": gateway.draining,
-            "backends": gateway.backend_states()}
+            "backends": gateway.backend_states(), **({"state_store": store} if degraded else {})}
     return Response(msgspec.json.encode(body), status_code=503, media_type="application/json")

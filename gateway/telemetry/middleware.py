@@ -72,6 +72,7 @@ class TelemetryMiddleware:
         gw = self.gateway
         gw.metrics.in_flight.labels(rec.route).dec()
         gw.metrics.observe_request(rec)
+        gw.accounts.record(rec)
         gw.tracing.end_request(rec)
         fields: dict[str, Any] = {
             "request_id": rec.request_id, "method": rec.method, "route": rec.route, "model": rec.model or None,
@@ -87,6 +88,8 @@ class TelemetryMiddleware:
                           kv_transfer_ms=round(handover.seconds * 1000, 2), pd_fallback=handover.fallback)
         if rec.adapter:
             fields["adapter"] = rec.adapter
+        if rec.key_name:
+            fields["key"] = rec.key_name
         if rec.error:
             fields["error"] = rec.error
         if gw.config.server.log_text:

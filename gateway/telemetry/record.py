@@ -26,6 +26,8 @@ class RequestRecord:
     finish_reason: str = ""
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, how many a prefix cache held
+    key_name: str | None = None  # the API key's name
     ttft: float | None = None
     queue: float | None = None
     validation: float | None = None  # seconds spent validating (TGI routes)

@@ -1,0 +1,114 @@
+"""Usage records: one row per request, written in batches off the request path.
+
+`record` only appends to a bounded in-memory buffer. A writer task inserts what is buffered every
+`interval` seconds (or sooner once a batch is full). When the database cannot be reached the rows stay
+buffered and the writer retries with backoff, so an outage loses nothing unless it outlasts the buffer:
+then the oldest rows are dropped and counted. Shutdown flushes what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.store.schema import usage
+
+log = logging.getLogger("llmgw")
+MAX_BACKOFF = 10.0
+
+
+class UsageWriter:
+    def __init__(self, engine: AsyncEngine, capacity: int = 100_000, batch: int = 500, interval: float = 1.0) -> None:
+        self.engine = engine
+        self.capacity, self.batch, self.interval = capacity, batch, interval
+        self.buffer: deque[dict[str, Any]] = deque()
+        self.written = 0
+        self.dropped = 0
+        self.failures = 0
+        self.available = True  # the last write went through
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()  # one writer at a time: the loop, or a flush on shutdown
+
+    def record(self, row: dict[str, Any]) -> None:
+        """Buffer one row (never blocks, never raises)."""
+        self.buffer.append(row)
+        self._trim()
+        if len(self.buffer) >= self.batch:
+            self._wake.set()
+
+    def _trim(self) -> None:
+        while len(self.buffer) > self.capacity:
+            self.buffer.popleft()
+            self.dropped += 1
+
+    async def run(self) -> None:
+        backoff = self.interval
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(backoff):
+                    await self._wake.wait()
+            self._wake.clear()
+            backoff = self.interval if await self.flush() else min(MAX_BACKOFF, backoff * 2)
+
+    async def flush(self) -> bool:
+        """Write everything buffered; False (rows kept) when the database failed."""
+        async with self._lock:
+            while self.buffer:
+                rows = [self.buffer.popleft() for _ in range(min(self.batch, len(self.buffer)))]
+                try:
+                    async with self.engine.begin() as conn:
+                        await conn.execute(usage.insert(), rows)
+                except Exception as exc:  # the database is down, slow or refused: keep the rows, oldest first
+                    self.buffer.extendleft(reversed(rows))
+                    self._trim()
+                    self.failures += 1
+                    if self.available:
+                        log.warning("usage records: the state database failed (%s: %s); %d rows buffered",
+                                    type(exc).__name__, exc, len(self.buffer))
+                    self.available = False
+                    return False
+                self.written += len(rows)
+                if not self.available:
+                    log.info("usage records: the state database is back; buffered rows written")
+                self.available = True
+        return True
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self.flush()
+        if self.buffer:
+            log.error("usage records: %d rows could not be written before shutdown", len(self.buffer))
+
+    def status(self) -> dict[str, Any]:
+        return {"available": self.available, "buffered": len(self.buffer), "written": self.written,
+                "dropped": self.dropped, "failures": self.failures}
+
+
+def usage_row(rec: Any, key_name: str | None, log_content: bool) -> dict[str, Any]:
+    """The usage row of a finished request, from its RequestRecord."""
+    now = time.time()
+    return {"at": now, "day": time.strftime("%Y-%m-%d", time.gmtime(now)), "request_id": rec.request_id,
+            "key_name": key_name, "model": rec.model or None, "backend": rec.backend or None, "route": rec.route,
+            "door": door_of(rec.route), "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.generated_tokens,
+            "cached_tokens": rec.cached_tokens, "ttft_ms": None if rec.ttft is None else round(rec.ttft * 1000, 3),
+            "duration_ms": round(((rec.ended or time.perf_counter()) - rec.started) * 1000, 3),
+            "status": rec.status, "finish_reason": rec.finish_reason or None,
+            "prompt_text": rec.prompt_text if log_content else None,
+            "output_text": rec.output_text if log_content else None}
+
+
+def door_of(route: str) -> str:
+    if route.startswith("/v1/messages"):
+        return "anthropic"
+    if route.startswith("/v1/responses"):
+        return "responses"
+    if route.startswith("/v1/"):
+        return "openai"
+    return "tgi"
