@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from gateway.cli_state import add_parsers as add_state_parsers
 from gateway.config import ConfigError, load_config
 from gateway.migration_report import format_report
 from gateway.telemetry.logging import configure_logging
@@ -24,6 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else config.server.port
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # the state store logs its own migration line
     configure_logging(config.server.log_format)
     print(config.describe(), file=sys.stderr)
     app = create_app(config, config_path=args.config)
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--admin-key", default=None, help="default: $LLMGW_ADMIN_KEY")
     report.add_argument("--json", action="store_true")
     report.set_defaults(func=_migration_report)
+    add_state_parsers(sub)
     # listed for --help; its own parser reads the rest of the line
     sub.add_parser("bench", help="TTFT and tokens/s of any TGI or OpenAI endpoint; `bench compare A.json B.json`")
     argv = sys.argv[1:] if argv is None else argv

@@ -173,11 +173,25 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra = (f" fallback={model.fallback}" if model.fallback else "") + \
                 (f" shadow={model.shadow.backend}@{model.shadow.sample:g}" if model.shadow else "")
             lines.append(f"  model {name}{default} -> {split}{aliases}{extra}")
+        lines.append(self._describe_keys())
         for name, entry in self.backends.items():
             described = getattr(entry.settings, "describe", None)  # a backend type may say more of itself
             if described is not None:
                 lines.append(f"  backend {name} (type {entry.type}): {described()}")
         return "\n".join(lines)
+
+
+    def _describe_keys(self) -> str:
+        keys = f"{len(self.auth.keys)} config key(s)"
+        if self.state is None:
+            return f"  keys: {keys}; rate limits and budgets per replica (no [state]); stored Responses in memory"
+        database = self.state.resolved_database()
+        scheme, _, rest = database.partition("://")
+        where = f"{scheme}://{rest.rpartition('@')[2]}"  # no credentials
+        limits = ("shared by every replica through Redis" if self.state.redis else
+                  "per replica (no [state] redis: each replica admits the full limit)")
+        usage = "usage rows on" if self.state.record_usage else "usage rows off"
+        return f"  keys: {keys} + stored keys in {where}; {usage}; rate limits and budgets {limits}"
 
 
 def primary_routes(model: ModelConfig) -> list[WeightedRoute]:

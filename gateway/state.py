@@ -26,6 +26,7 @@ from gateway.routing.admission import Admission, ModelGate
 from gateway.routing.health import HealthTracker
 from gateway.routing.router import ModelRoute, Router
 from gateway.routing.shadow import ShadowRecorder
+from gateway.telemetry.key_metrics import store_state
 from gateway.telemetry.metrics import GatewayMetrics, counter, engine_state, gauge
 from gateway.telemetry.pool_metrics import PoolTelemetry, pool_state
 from gateway.telemetry.tracing import Tracing
@@ -52,7 +53,8 @@ class Gateway:
         backends = backends if backends is not None else build_backends(config)
         self.snapshot = Snapshot(config, backends, Router(config, backends, self.health, failed=self.failed))
         self.config_path = Path(config_path) if config_path else None
-        self.metrics = GatewayMetrics(tgi_compatible=server.tgi_metrics)
+        self.metrics = GatewayMetrics(tgi_compatible=server.tgi_metrics,
+                                      per_key_series=server.max_key_series if server.metrics_per_key else 0)
         self.metrics.add_state_source(engine_state(self._engines))
         self.metrics.add_state_source(self._backend_state)
         self.metrics.add_state_source(self._engine_workers)
@@ -64,6 +66,7 @@ class Gateway:
         self.gates: dict[str, ModelGate] = {}
         self.draining = False
         self.accounts = Accounts(config)
+        self.metrics.add_state_source(store_state(self.accounts.status, self.accounts.quota.limiter.status))
         self.users: dict[int, int] = {}  # by id(backend): requests generating on it now
         self._tasks: list[asyncio.Task[None]] = []
         self._reload_lock: asyncio.Lock | None = None

@@ -46,14 +46,13 @@ def bearer(header: str | None) -> str | None:
 
 
 class KeyRing:
-    """Every key the gateway knows now. `stored` is None while the state database's keys were never
-    loaded: then the doors stay closed (a store that is down at start must not open the gateway)."""
+    """Every key the gateway knows now. With a state database every request needs a key, even while
+    none is stored (revoking the last key must not open the gateway, nor a database down at start)."""
 
     def __init__(self, config: GatewayConfig, stored: Iterable[StoredKey] | None = None,
                  store_enabled: bool = False) -> None:
         self.auth = config.auth
         self.store_enabled = store_enabled
-        self.stored_loaded = stored is not None
         self._by_digest: dict[bytes, tuple[Principal, float | None]] = {}  # digest -> (key, valid until)
         for key in config.auth.keys:
             secret = key.key if key.key is not None else os.environ.get(key.key_env or "", "")
@@ -77,7 +76,7 @@ class KeyRing:
 
     @property
     def enabled(self) -> bool:
-        return bool(self._by_digest) or (self.store_enabled and not self.stored_loaded)
+        return bool(self._by_digest) or self.store_enabled
 
     def principals(self) -> list[Principal]:
         return list({p.name: p for p, until in self._by_digest.values() if until is None}.values())

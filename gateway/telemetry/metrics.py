@@ -22,7 +22,7 @@ COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class GatewayMetrics:
-    def __init__(self, tgi_compatible: bool = False) -> None:
+    def __init__(self, tgi_compatible: bool = False, per_key_series: int = 0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         mb = ["model", "backend"]
@@ -64,6 +64,9 @@ class GatewayMetrics:
         self.engine_step = Histogram("llmgw_engine_step_seconds", "Engine step time", ["backend"],
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.tgi = TgiMetrics() if tgi_compatible else None
+        from gateway.telemetry.key_metrics import KeyMetrics  # it builds on this module's helpers
+
+        self.keys = KeyMetrics(r, per_key_series) if per_key_series else None
         self._state_sources: list[Callable[[], Iterator[Metric]]] = []
         r.register(_StateCollector(self._state_sources))
 
@@ -90,6 +93,8 @@ class GatewayMetrics:
             self.adapter_generation_tokens.labels(rec.model or "-", rec.adapter).inc(rec.generated_tokens)
         if self.tgi is not None and rec.model:
             self.tgi.observe(rec)
+        if self.keys is not None:
+            self.keys.observe(rec)
 
     def render(self) -> bytes:
         text = generate_latest(self.registry)
