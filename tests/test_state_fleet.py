@@ -30,7 +30,7 @@ BUDGET = 5 * MAX_TOKENS + 20  # five reservations of a short prompt + 100 tokens
 def config(upstream: ScriptedUpstream, database: str, redis: str | None) -> str:
     shared = f'redis = "{redis}"\n' if redis else ""
     return (f'[backends.up]\ntype = "openai"\nbase_url = "{upstream.url}"\nmodel = "m"\n[models.m]\nbackend = "up"\n'
-            f'[server]\nadmin_key = "{ADMIN}"\nhealth_check_interval = 60\n'
+            f'[server]\nadmin_key = "{ADMIN}"\nhealth_check_interval = 60\nmetrics_per_key = true\nmax_key_series = 3\n'
             f'[state]\ndatabase = "{database}"\n{shared}key_refresh_interval = 0.5\nusage_flush_interval = 0.2\n')
 
 
@@ -97,7 +97,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         for name in ("a", "b"):
             (tmp / name).mkdir()
             urls.append(stack.enter_context(running_gateway(text, tmp / name)))
-        yield {"a": urls[0], "b": urls[1], "gate": gate, "pg": pg, "redis": redis}
+        yield {"a": urls[0], "b": urls[1], "gate": gate, "pg": pg, "redis": redis, "upstream": upstream}
 
 
 def test_a_token_budget_holds_across_two_replicas_under_concurrency(fleet: dict[str, Any]) -> None:
@@ -178,3 +178,40 @@ def test_a_postgres_outage_loses_no_usage_row_and_known_keys_keep_working(fleet:
         pg.start()
     wait_until(lambda: usage_count(pg.url, "through-the-outage") == 11, "every buffered row written after the outage")
     wait_until(lambda: httpx.get(f"{a}/health", timeout=CLIENT_TIMEOUT).content == b"", "/health is plain 200 again")
+
+
+def test_a_stored_response_continues_and_is_deleted_on_the_other_replica(fleet: dict[str, Any]) -> None:
+    a, b, upstream = fleet["a"], fleet["b"], fleet["upstream"]
+    key = create_key(a, name="responder")
+    other = create_key(a, name="someone-else")
+    wait_until(lambda: knows(b, key["key"]) and knows(b, other["key"]), "replica b knows both keys")
+    first = httpx.post(f"{a}/v1/responses", json={"model": "m", "input": "My name is Ada.", "store": True},
+                       headers=bearer(key["key"]), timeout=CLIENT_TIMEOUT).json()
+    stored = httpx.get(f"{b}/v1/responses/{first['id']}", headers=bearer(key["key"]), timeout=CLIENT_TIMEOUT)
+    assert stored.status_code == 200 and stored.json()["id"] == first["id"]
+    assert httpx.get(f"{b}/v1/responses/{first['id']}", headers=bearer(other["key"]),
+                     timeout=CLIENT_TIMEOUT).status_code == 404  # another key's response does not exist for it
+    follow = httpx.post(f"{b}/v1/responses", json={"model": "m", "input": "What is my name?",
+                                                   "previous_response_id": first["id"]},
+                        headers=bearer(key["key"]), timeout=CLIENT_TIMEOUT)
+    assert follow.status_code == 200, follow.text
+    sent = upstream.sent("/v1/chat/completions")[-1]["messages"]
+    assert [(m["role"], m["content"]) for m in sent] == [("user", "My name is Ada."), ("assistant", "Hello world!"),
+                                                          ("user", "What is my name?")]
+    deleted = httpx.delete(f"{b}/v1/responses/{first['id']}", headers=bearer(key["key"]), timeout=CLIENT_TIMEOUT)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    assert httpx.get(f"{a}/v1/responses/{first['id']}", headers=bearer(key["key"]),
+                     timeout=CLIENT_TIMEOUT).status_code == 404
+
+
+def test_per_key_metrics_are_named_bounded_and_never_secret(fleet: dict[str, Any]) -> None:
+    a = fleet["a"]
+    secrets = [create_key(a, name=f"metered-{i}")["key"] for i in range(5)]
+    for secret in secrets:
+        assert send(a, "openai", secret).status_code == 200
+    text = httpx.get(f"{a}/metrics", timeout=CLIENT_TIMEOUT).text
+    labels = {line.split('key="')[1].split('"')[0] for line in text.splitlines()
+              if line.startswith("llmgw_key_requests_total{")}
+    assert len(labels) == 4 and "other" in labels  # three names (max_key_series), the rest under "other"
+    assert 'llmgw_key_tokens_total{key="other",kind="completion",model="m"}' in text
+    assert not any(secret in text for secret in secrets)

@@ -1,7 +1,8 @@
 """Stored Responses in the state database: `previous_response_id` works across restarts and replicas.
 
-Write-through: an answer is kept in this process's cache and inserted before the response completes,
-so a follow-up sent to another replica finds it. Reads try the cache, then the database. Rows expire
+Write-through: an answer is inserted before the response completes, so a follow-up sent to another
+replica finds it. Reads go to the database; this process's cache of what it stored answers only while
+the database cannot be reached. Rows expire
 after `ttl` (OpenAI keeps them 30 days); expired rows are deleted by a periodic sweep. If the database is
 down, the cache still serves this replica and the failure is logged and counted.
 """
@@ -58,15 +59,17 @@ class PersistedResponses:
                         response.id, type(exc).__name__, exc)
 
     async def get(self, response_id: str, owner: str | None) -> StoredResponse | None:
-        found = self.cache.get(response_id, owner)
-        if found is not None:
-            return found
+        """From the database (another replica may have stored or deleted it); this replica's cache only
+        while the database cannot be reached."""
         query = responses.select().where(responses.c.id == response_id, responses.c.expires_at > time.time())
         try:
             async with self.engine.connect() as conn:
                 row = (await conn.execute(query)).first()
         except Exception as exc:
-            raise _unavailable(exc) from None
+            found = self.cache.get(response_id, owner)
+            if found is None:
+                raise _unavailable(exc) from None
+            return found
         if row is None or row.owner != owner:
             return None
         body = msgspec.json.decode(row.body, type=_Body)
