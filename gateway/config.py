@@ -107,7 +107,9 @@ class StateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     """`[state]`: keys, usage and stored Responses in a database; limits shared through Redis."""
 
     database: str | None = None  # sqlite:///PATH or postgresql://...; default: state.db in the state directory
+    database_env: str | None = None  # or the environment variable holding that URL (it may carry a password)
     redis: str | None = None  # redis://host:port/db: rate limits and budgets shared by every replica
+    redis_env: str | None = None  # or the environment variable holding it
     fail_open: bool = True  # Redis unreachable: serve without shared limits (true) or answer 503 (false)
     auto_migrate: bool = True  # upgrade the schema at start (false: `llmgw state migrate` must have run)
     key_refresh_interval: float = 2.0  # seconds between key snapshot refreshes (Postgres also notifies)
@@ -119,9 +121,14 @@ class StateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     responses_ttl: float = 30 * 86400.0  # stored Responses (OpenAI keeps them 30 days)
 
     def resolved_database(self) -> str:
+        if self.database_env:
+            return os.environ.get(self.database_env, "")
         if self.database:
             return self.database
         return f"sqlite:///{state_directory() / 'state.db'}"
+
+    def resolved_redis(self) -> str | None:
+        return os.environ.get(self.redis_env) or None if self.redis_env else self.redis
 
 
 def state_directory() -> Path:
@@ -188,7 +195,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         database = self.state.resolved_database()
         scheme, _, rest = database.partition("://")
         where = f"{scheme}://{rest.rpartition('@')[2]}"  # no credentials
-        limits = ("shared by every replica through Redis" if self.state.redis else
+        limits = ("shared by every replica through Redis" if self.state.resolved_redis() else
                   "per replica (no [state] redis: each replica admits the full limit)")
         usage = "usage rows on" if self.state.record_usage else "usage rows off"
         return f"  keys: {keys} + stored keys in {where}; {usage}; rate limits and budgets {limits}"
@@ -306,10 +313,17 @@ def _check_auth(auth: AuthConfig, model_names: dict[str, str]) -> None:
 
 
 def _check_state(state: StateConfig) -> StateConfig:
+    for key in ("database", "redis"):
+        env = getattr(state, f"{key}_env")
+        if env is not None and getattr(state, key) is not None:
+            raise ConfigError(f"state: give either `{key}` or `{key}_env`")
+        if env is not None and not os.environ.get(env):
+            raise ConfigError(f"state.{key}_env: environment variable {env} is not set")
     scheme = state.resolved_database().partition("://")[0].split("+")[0]
     if scheme not in ("sqlite", "postgresql", "postgres"):
         raise ConfigError(f"state.database: expected sqlite:///PATH or postgresql://..., got a {scheme!r} URL")
-    if state.redis is not None and not state.redis.startswith(("redis://", "rediss://", "unix://")):
+    redis = state.resolved_redis()
+    if redis is not None and not redis.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError("state.redis: expected redis://host:port/db (or rediss://, unix://)")
     for key in ("key_refresh_interval", "usage_flush_interval", "responses_ttl"):
         if getattr(state, key) <= 0:
