@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +168,30 @@ def test_a_patched_limit_and_a_rotated_secret_apply_at_once(light_gateway: str) 
     assert chat(new).status_code == 200 and chat(old).status_code == 200  # the old one in its grace period
     admin("POST", url, f"/admin/keys/{created['id']}/rotate", json={"grace_seconds": 0})
     assert chat(old).status_code == 401 and chat(new).status_code == 401  # both replaced, no grace
+
+
+def test_an_expired_key_is_refused_and_the_cli_manages_keys(light_gateway: str) -> None:
+    url = light_gateway
+    expired = admin("POST", url, "/admin/keys", json={"name": "last-year", "expires_at": "2025-01-01T00:00:00Z"})
+    assert expired.status_code == 201 and expired.json()["expires_at"] == "2025-01-01T00:00:00Z"
+    r = httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {expired.json()['key']}"},
+                  timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "expired_api_key"
+
+    def llmgw(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gateway", "keys", *args, "--url", url], capture_output=True,
+                              text=True, timeout=CLIENT_TIMEOUT, env={**os.environ, "LLMGW_ADMIN_KEY": ADMIN})
+
+    made = llmgw("create", "--name", "from-the-cli", "--rpm", "60", "--meta", "team=ops")
+    assert made.returncode == 0, made.stderr
+    key = json.loads(made.stdout)
+    assert key["rpm"] == 60 and key["metadata"] == {"team": "ops"} and "shown only once" in made.stderr
+    assert httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {key['key']}"},
+                     timeout=CLIENT_TIMEOUT).status_code == 200
+    listed = llmgw("list")
+    assert listed.returncode == 0 and "from-the-cli" in listed.stdout and key["key"] not in listed.stdout
+    assert llmgw("revoke", "--id", key["id"]).returncode == 0
+    assert httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {key['key']}"},
+                     timeout=CLIENT_TIMEOUT).status_code == 401
+    refused = llmgw("create", "--name", "bad", "--rpm", "-1")
+    assert refused.returncode == 1 and "400" in refused.stderr
