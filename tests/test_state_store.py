@@ -132,9 +132,11 @@ def test_bad_key_bodies_get_a_clear_4xx_and_change_nothing(light_gateway: str) -
     assert admin("POST", url, "/admin/keys", json={"name": "existing"}).status_code == 409  # a live key's name
     key_id = existing.json()["id"]
     assert admin("PATCH", url, f"/admin/keys/{key_id}", json={"tpm": -1}).status_code == 400
-    assert admin("PATCH", url, "/admin/keys/key_nosuchkey", json={"tpm": 5}).status_code == 404
-    assert admin("DELETE", url, "/admin/keys/key_nosuchkey").status_code == 404
-    assert admin("POST", url, "/admin/keys/key_nosuchkey/rotate").status_code == 404
+    unknown = "key_" + "0" * 24
+    assert admin("PATCH", url, f"/admin/keys/{unknown}", json={"tpm": 5}).status_code == 404
+    assert admin("DELETE", url, f"/admin/keys/{unknown}").status_code == 404
+    assert admin("POST", url, f"/admin/keys/{unknown}/rotate").status_code == 404
+    assert admin("GET", url, "/admin/keys/not-a-key-id").status_code == 422  # not an id at all
     for headers in ({"authorization": "Bearer wrong-admin-key"}, {}):
         r = admin("POST", url, "/admin/keys", json={"name": "sneaky"}, headers=headers)
         assert r.status_code == 401

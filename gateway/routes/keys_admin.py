@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from litestar import Controller, Request, Response, delete, get, patch, post
+from litestar.params import Parameter
 
 from gateway.errors import GatewayError
 from gateway.policy.auth import Principal
@@ -24,6 +25,7 @@ from gateway.store.state_store import StateStore
 from gateway.store.usage_report import GROUPS, as_csv, usage_summary
 
 T = TypeVar("T")
+KeyId = Annotated[str, Parameter(pattern=r"^key_[0-9a-f]{24}$", description="A stored key's id")]
 
 
 def _iso(seconds: float | None) -> str | None:
@@ -116,12 +118,12 @@ class KeysAdminController(Controller):
         return KeyList(data=[*config, *(_view(k) for k in stored)])
 
     @get("/keys/{key_id:str}", summary="One stored API key", operation_id="get_key")
-    async def show(self, gateway: Gateway, request: Request, key_id: str) -> KeyView:
+    async def show(self, gateway: Gateway, request: Request, key_id: KeyId) -> KeyView:
         store = _store(gateway, request)
         return _view(_found(await _call(store, store.keys.get(key_id)), key_id))
 
     @patch("/keys/{key_id:str}", summary="Change a stored API key (null clears a limit)", operation_id="update_key")
-    async def update(self, gateway: Gateway, request: Request, key_id: str) -> KeyView:
+    async def update(self, gateway: Gateway, request: Request, key_id: KeyId) -> KeyView:
         store = _store(gateway, request)
         body = await _body(request, KeyUpdate)
         _check_models(gateway, body.models)
@@ -129,13 +131,13 @@ class KeysAdminController(Controller):
         return _view(_found(await _call(store, store.keys.update(key_id, body)), key_id))
 
     @delete("/keys/{key_id:str}", summary="Revoke a stored API key", operation_id="revoke_key", status_code=200)
-    async def revoke(self, gateway: Gateway, request: Request, key_id: str) -> KeyView:
+    async def revoke(self, gateway: Gateway, request: Request, key_id: KeyId) -> KeyView:
         store = _store(gateway, request)
         return _view(_found(await _call(store, store.keys.revoke(key_id)), key_id))
 
     @post("/keys/{key_id:str}/rotate", summary="New secret; the old one works for grace_seconds more",
           operation_id="rotate_key", status_code=200)
-    async def rotate(self, gateway: Gateway, request: Request, key_id: str) -> KeyView:
+    async def rotate(self, gateway: Gateway, request: Request, key_id: KeyId) -> KeyView:
         store = _store(gateway, request)
         body = await _body(request, KeyRotate) if await request.body() else KeyRotate()
         key, secret = _found(await _call(store, store.keys.rotate(key_id, body.grace_seconds)), key_id)
