@@ -14,6 +14,10 @@ from gateway.config import ConfigError, load_config
 
 
 def _state_url(args: argparse.Namespace) -> str:
+    if args.database_env:
+        if not os.environ.get(args.database_env):
+            raise ConfigError(f"--database-env: environment variable {args.database_env} is not set")
+        return os.environ[args.database_env]
     if args.database:
         return args.database
     config = load_config(args.config)
@@ -98,6 +102,8 @@ def add_parsers(sub: Any) -> None:
     state.add_argument("action", choices=["migrate", "check"])
     state.add_argument("--config", default="config.toml", help="its [state] database is used")
     state.add_argument("--database", default=None, help="a database URL instead of the config's")
+    state.add_argument("--database-env", default=None,
+                       help="the environment variable holding that URL (keeps a password off the command line)")
     state.set_defaults(func=_state)
 
     keys = sub.add_parser("keys", help="manage a running gateway's stored API keys (/admin/keys)")

@@ -88,6 +88,19 @@ name = {{ .name | toJson }}
 key_env = {{ include "llm-gateway.keyEnv" .name | toJson }}
 {{- include "llm-gateway.tomlTable" (omit . "name" "value" "existingSecret" "existingSecretKey") }}
 {{- end }}
+{{- with .Values.state }}{{ if .enabled }}
+
+[state]
+{{- /* the URLs (with their passwords) reach the pods as environment variables, never the ConfigMap */}}
+database_env = "LLMGW_STATE_DATABASE"
+{{- if include "llm-gateway.stateRedis" $ }}
+redis_env = "LLMGW_STATE_REDIS"
+{{- end }}
+fail_open = {{ .failOpen }}
+{{- /* the hook Job migrates before the pods roll: they only check the schema */}}
+auto_migrate = {{ not .migrate }}
+{{- include "llm-gateway.tomlTable" .settings }}
+{{- end }}{{ end }}
 {{- if $c.engine.enabled }}
 
 [backends.local]
@@ -168,4 +181,76 @@ backend = "local"
 {{- if $e.shmSize -}}{{ $e.shmSize }}
 {{- else if and $rendered (gt $prefill 0) -}}{{ mul (int (default 512 $e.kv_cache_mb)) $prefill }}Mi
 {{- end -}}
+{{- end -}}
+
+{{/* Whether the pods get a Redis URL for [state] (state.redis or state.redisExistingSecret): "true" or "" */}}
+{{- define "llm-gateway.stateRedis" -}}
+{{- with .Values.state -}}{{- if and .enabled (or .redis .redisExistingSecret) }}true{{ end -}}{{- end -}}
+{{- end -}}
+
+{{/* Refuses [state] values that cannot work: no database, a URL given twice, a password in a value
+     (it would be in the pod spec for anyone who can read it: a Secret is the place). */}}
+{{- define "llm-gateway.stateChecked" -}}
+{{- $s := .Values.state -}}
+{{- $password := "^[A-Za-z0-9+.-]+://[^/?#@]*:[^/?#@]*@" -}}
+{{- if not (or $s.database $s.existingSecret) -}}
+{{- fail "state.enabled needs the database every replica shares: state.database (postgresql://user@host:5432/db) or state.existingSecret (a Secret holding its URL, created before the chart)" -}}
+{{- end -}}
+{{- if and $s.database $s.existingSecret -}}
+{{- fail "state: give state.database or state.existingSecret, not both" -}}
+{{- end -}}
+{{- if and $s.redis $s.redisExistingSecret -}}
+{{- fail "state: give state.redis or state.redisExistingSecret, not both" -}}
+{{- end -}}
+{{- if regexMatch $password $s.database -}}
+{{- fail "state.database carries a password, which would show in the pod spec: put the URL in a Secret and name it in state.existingSecret" -}}
+{{- end -}}
+{{- if regexMatch $password $s.redis -}}
+{{- fail "state.redis carries a password, which would show in the pod spec: put the URL in a Secret and name it in state.redisExistingSecret" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The [state] environment of a container, as `env` list items: LLMGW_STATE_DATABASE (config.toml's
+     database_env) from state.existingSecret or state.database, and with (dict "root" $ "redis" true)
+     LLMGW_STATE_REDIS (redis_env) when a Redis URL is given. */}}
+{{- define "llm-gateway.stateEnv" -}}
+{{- include "llm-gateway.stateChecked" .root -}}
+{{- $s := .root.Values.state -}}
+- name: LLMGW_STATE_DATABASE
+{{- if $s.existingSecret }}
+  valueFrom:
+    secretKeyRef: {name: {{ $s.existingSecret }}, key: {{ $s.existingSecretKey }}}
+{{- else }}
+  value: {{ $s.database | quote }}
+{{- end }}
+{{- if and .redis (include "llm-gateway.stateRedis" .root) }}
+- name: LLMGW_STATE_REDIS
+{{- if $s.redisExistingSecret }}
+  valueFrom:
+    secretKeyRef: {name: {{ $s.redisExistingSecret }}, key: {{ $s.redisExistingSecretKey }}}
+{{- else }}
+  value: {{ $s.redis | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The gateway pod's securityContext (the state migration Job's too) */}}
+{{- define "llm-gateway.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+
+{{/* A gateway container's securityContext */}}
+{{- define "llm-gateway.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities: {drop: [ALL]}
+{{- end -}}
+
+{{/* The gateway's image */}}
+{{- define "llm-gateway.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{ if eq .Values.image.variant "cuda" }}-cuda{{ end }}
 {{- end -}}
