@@ -11,7 +11,6 @@ Unreachable or slow Redis: fail_open admits unenforced (counted in status()), el
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -19,7 +18,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
-from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
@@ -34,6 +32,7 @@ from gateway.store.limits import (
     Reservation,
     periods,
 )
+from gateway.store.redis_batch import ScriptBatcher
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +147,7 @@ return 1
 """
 
 WHAT = {1: RPM, 2: TPM, 3: PER_DAY, 4: PER_MONTH}
+SETTLE_DELAY = 0.02  # settles wait this long to share a pipeline (a budget's reservation lasts that much longer)
 
 
 def _arg(v: int | None) -> str:
@@ -163,16 +163,17 @@ class RedisLimiter:
         # one retry on a fresh connection (a pooled one broken by a Redis restart), no backoff: fail fast
         self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                               retry=Retry(NoBackoff(), 1))
-        self._admit = self._redis.register_script(ADMIT_LUA)
-        self._settle = self._redis.register_script(SETTLE_LUA)
+        self._admits = ScriptBatcher(self._redis, timeout)
+        self._settles = ScriptBatcher(self._redis, timeout, delay=SETTLE_DELAY)  # nobody waits on these
+        self._admit = self._admits.register(ADMIT_LUA)
+        self._settle = self._settles.register(SETTLE_LUA)
         self._available, self._errors, self._unenforced, self._expired = True, 0, 0, 0
 
     def _base(self, key: str) -> str:
         return f"{self.prefix}:{{{key}}}"
 
-    async def _run(self, script: AsyncScript, keys: list[str], args: list[str]) -> Any:
-        async with asyncio.timeout(self.timeout * 4 + 1):  # socket timeouts bound each step; this the whole
-            result = await script(keys=keys, args=args)
+    async def _run(self, batcher: ScriptBatcher, sha: str, keys: list[str], args: list[str]) -> Any:
+        result = await batcher.call(sha, keys, args)
         self._available = True
         return result
 
@@ -190,7 +191,8 @@ class RedisLimiter:
         args = [rid, str(amount), "1" if count_request else "0", _arg(limits.rpm), _arg(limits.tpm),
                 _arg(limits.tokens_per_day), _arg(limits.tokens_per_month), str(int(self.reservation_ttl * 1000))]
         try:
-            ok, which, retry_ms, day, month, expired = await self._run(self._admit, [self._base(limits.key)], args)
+            answer = await self._run(self._admits, self._admit, [self._base(limits.key)], args)
+            ok, which, retry_ms, day, month, expired = answer
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("admit", exc)
             if not self.fail_open:
@@ -221,7 +223,7 @@ class RedisLimiter:
                 reservation.day if limits.tokens_per_day is not None else "",
                 reservation.month if limits.tokens_per_month is not None else ""]
         try:
-            await self._run(self._settle, [self._base(limits.key)], args)
+            await self._run(self._settles, self._settle, [self._base(limits.key)], args)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("settle", exc)
 

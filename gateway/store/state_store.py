@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.config import StateConfig
-from gateway.store.database import SchemaError, check_schema, connect, migrate
+from gateway.store.database import SchemaError, check_schema, connect, migrate, sqlite_path
 from gateway.store.key_snapshot import KeySnapshot
 from gateway.store.keys import KeyStore, StoredKey
 from gateway.store.limits import Limiter
@@ -37,7 +37,7 @@ class StateStore:
         self.keys = KeyStore(self.engine, self.url)
         self.snapshot = KeySnapshot(self.keys, self.url, config.key_refresh_interval, on_keys)
         self.usage = UsageWriter(self.engine, config.usage_buffer_rows, config.usage_batch_rows,
-                                 config.usage_flush_interval) if config.record_usage else None
+                                 config.usage_flush_interval, sqlite_path(self.url)) if config.record_usage else None
         self.responses = PersistedResponses(self.engine, config.responses_ttl)
         self.ready = False  # the schema was checked: the store is in use
         self._tasks: list[asyncio.Task[Any]] = []

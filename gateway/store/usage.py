@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -24,8 +26,11 @@ MAX_BACKOFF = 10.0
 
 
 class UsageWriter:
-    def __init__(self, engine: AsyncEngine, capacity: int = 100_000, batch: int = 500, interval: float = 1.0) -> None:
+    def __init__(self, engine: AsyncEngine, capacity: int = 100_000, batch: int = 500, interval: float = 1.0,
+                 sqlite_file: Path | None = None) -> None:
         self.engine = engine
+        self.sqlite_file = sqlite_file
+        self._sqlite: sqlite3.Connection | None = None
         self.capacity, self.batch, self.interval = capacity, batch, interval
         self.buffer: deque[dict[str, Any]] = deque()
         self.written = 0
@@ -62,8 +67,11 @@ class UsageWriter:
             while self.buffer:
                 rows = [self.buffer.popleft() for _ in range(min(self.batch, len(self.buffer)))]
                 try:
-                    async with self.engine.begin() as conn:
-                        await conn.execute(usage.insert(), rows)
+                    if self.sqlite_file is not None:
+                        self._write_sqlite(rows)
+                    else:
+                        async with self.engine.begin() as conn:
+                            await conn.execute(usage.insert(), rows)
                 except Exception as exc:  # the database is down, slow or refused: keep the rows, oldest first
                     self.buffer.extendleft(reversed(rows))
                     self._trim()
@@ -74,10 +82,33 @@ class UsageWriter:
                     self.available = False
                     return False
                 self.written += len(rows)
+                await asyncio.sleep(0)  # requests go on between batches
                 if not self.available:
                     log.info("usage records: the state database is back; buffered rows written")
                 self.available = True
         return True
+
+    def _write_sqlite(self, rows: list[dict[str, Any]]) -> None:
+        """SQLite: written from the event loop's own thread, one multi-row INSERT per 900 rows (about
+        1 ms per 100 rows, between requests). Through aiosqlite's thread each row's step handed the GIL to and from the
+        event loop, which then served a sixth fewer requests at saturation."""
+        if self._sqlite is None:
+            self._sqlite = sqlite3.connect(self.sqlite_file, isolation_level=None, timeout=5.0)
+            self._sqlite.execute("PRAGMA journal_mode=WAL")
+            self._sqlite.execute("PRAGMA synchronous=NORMAL")
+        db = self._sqlite
+        try:
+            db.execute("BEGIN")
+            for start in range(0, len(rows), SQLITE_ROWS_PER_STATEMENT):
+                chunk = rows[start:start + SQLITE_ROWS_PER_STATEMENT]
+                values = ",".join([f"({','.join('?' * len(COLUMNS))})"] * len(chunk))
+                db.execute(f"INSERT INTO usage ({','.join(COLUMNS)}) VALUES {values}",
+                           [row[name] for row in chunk for name in COLUMNS])
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
 
     async def aclose(self, timeout: float = 5.0) -> None:
         with contextlib.suppress(TimeoutError):
@@ -89,6 +120,10 @@ class UsageWriter:
     def status(self) -> dict[str, Any]:
         return {"available": self.available, "buffered": len(self.buffer), "written": self.written,
                 "dropped": self.dropped, "failures": self.failures}
+
+
+COLUMNS = [c.name for c in usage.columns if c.name != "id"]
+SQLITE_ROWS_PER_STATEMENT = 900  # x 17 columns stays under SQLite's 32,766 bound parameters
 
 
 def usage_row(rec: Any, key_name: str | None, log_content: bool) -> dict[str, Any]:
