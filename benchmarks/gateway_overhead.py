@@ -1,10 +1,17 @@
 """What the gateway costs: a fast mock OpenAI upstream hit directly, through this gateway (`openai`
 backend) and through LiteLLM's proxy (one worker each), measured in one run.
 
-    .venv/bin/python benchmarks/gateway_overhead.py --litellm-python .venv-litellm/bin/python
+    .venv/bin/python benchmarks/gateway_overhead.py --litellm-python .venv-litellm/bin/python [--state-variants]
 
 Measures, for each target: non-streaming latency at concurrency 1, streaming TTFT at concurrency 1,
 and the saturated non-streaming request rate at concurrency 16.
+
+--state-variants adds what a stored API key plus usage recording costs: the gateway with `[state]` on
+SQLite (gw-key-sqlite) and on Postgres with the Redis-shared limiter (gw-key-pg-redis, a key with rpm
+and tpm limits so the limiter runs on every request), each called with a key made through
+POST /admin/keys; and, with --litellm-python, LiteLLM with its Postgres spend tracking on (litellm-db,
+called with a virtual key from /key/generate). Postgres (a throwaway cluster) and Redis are started
+here and removed at the end. See overhead_services.py for how LiteLLM's Prisma client runs offline.
 """
 
 from __future__ import annotations
@@ -13,8 +20,7 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -23,48 +29,119 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
+import overhead_services as services  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-MASTER_KEY = "sk-" + "5f" * 32  # LiteLLM refuses to start without one; every target gets the same header
+MASTER_KEY = "sk-" + "5f" * 32  # LiteLLM refuses to start without one; keyless targets get the same header
+ADMIN_KEY = "admin-" + "7a" * 16
 BODY = {"model": "mock", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 16}
+STATE_TARGETS = {"added_p50_ms": 0.3, "c16_ratio": 0.9}  # issue 34: vs the keyless, stateless gateway
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, path: str, timeout: float = 120.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2).status_code < 500:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"port {port} not ready")
-
-
-def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,  # noqa: SIM115
-                            env={**os.environ, **(env or {})})
-
-
-async def measure(port: int, path: str, requests: int, seconds: float) -> dict[str, dict[str, float]]:
-    whole = loadgen.build_request("127.0.0.1", port, path, json.dumps(BODY).encode(),
-                                  {"authorization": f"Bearer {MASTER_KEY}"})
-    stream = loadgen.build_request("127.0.0.1", port, path, json.dumps({**BODY, "stream": True}).encode(),
-                                   {"authorization": f"Bearer {MASTER_KEY}"})
+async def measure(port: int, token: str, requests: int, seconds: float) -> dict[str, dict[str, float]]:
+    path, headers = "/v1/chat/completions", {"authorization": f"Bearer {token}"}
+    whole = loadgen.build_request("127.0.0.1", port, path, json.dumps(BODY).encode(), headers)
+    stream = loadgen.build_request("127.0.0.1", port, path, json.dumps({**BODY, "stream": True}).encode(), headers)
     await loadgen.run("127.0.0.1", port, whole, 4, count=100)  # warm-up
     out = {}
     out["c1_whole"] = (await loadgen.run("127.0.0.1", port, whole, 1, count=requests)).summary()
     out["c1_stream"] = (await loadgen.run("127.0.0.1", port, stream, 1, count=requests, marker=b"word0")).summary()
     out["c16_whole"] = (await loadgen.run("127.0.0.1", port, whole, 16, duration=seconds)).summary()
     return out
+
+
+def create_key(port: int, path: str, admin: str, body: dict) -> str:
+    import httpx
+
+    resp = httpx.post(f"http://127.0.0.1:{port}{path}", headers={"authorization": f"Bearer {admin}"}, json=body,
+                      timeout=60)
+    if resp.status_code not in (200, 201):
+        raise RuntimeError(f"POST {path} answered {resp.status_code}: {resp.text[:500]}")
+    return resp.json()["key"]
+
+
+def gateway_variants(args: argparse.Namespace, logs: Path, pg: services.Postgres | None,
+                     redis: services.Redis | None) -> dict[str, tuple[str, str, dict | None, str | None]]:
+    """name -> ([server] lines, other tables, body for POST /admin/keys or None for no key, state database)."""
+    variants: dict[str, tuple[str, str, dict | None, str | None]] = {"llm-gateway": ("", "", None, None)}
+    if args.telemetry_variants:
+        variants["gw-telemetry-off"] = ("telemetry = false\n", "", None, None)
+        variants["gw-traces-on"] = ('traces = "console"\n', "", None, None)
+    if pg is not None and redis is not None:
+        admin = f'admin_key = "{ADMIN_KEY}"\n'
+        sqlite = f"sqlite:///{logs / 'state.db'}"
+        variants["gw-key-sqlite"] = (admin, f'[state]\ndatabase = "{sqlite}"\n', {"name": "bench"}, sqlite)
+        postgres = pg.createdb("llmgw")
+        variants["gw-key-pg-redis"] = (admin, f'[state]\ndatabase = "{postgres}"\nredis = "{redis.url}"\n',
+                                       {"name": "bench", "rpm": 1_000_000, "tpm": 1_000_000_000}, postgres)
+    return variants
+
+
+def run_gateway(name: str, server: str, tables: str, key_body: dict | None, mock_port: int, logs: Path,
+                args: argparse.Namespace, procs: list) -> dict:
+    port = services.free_port()
+    config = logs / f"{name}.toml"
+    config.write_text(f"[server]\n{server}\n{tables}\n[backends.mock]\ntype = \"openai\"\n"
+                      f'base_url = "http://127.0.0.1:{mock_port}"\nmodel = "mock"\n\n'
+                      f'[models.mock]\nbackend = "mock"\n')
+    gw = services.start([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
+                         "--log-level", "warning"], logs / f"{name}.log")
+    procs.append(gw)
+    try:
+        services.wait_port(port, "/health", proc=gw)
+        token = create_key(port, "/admin/keys", ADMIN_KEY, key_body) if key_body is not None else MASTER_KEY
+        return asyncio.run(measure(port, token, args.requests, args.seconds))
+    finally:
+        services.stop(gw)
+
+
+def run_litellm(name: str, mock_port: int, logs: Path, args: argparse.Namespace, procs: list,
+                db_env: dict[str, str] | None = None) -> dict:
+    port = services.free_port()
+    config = logs / f"{name}.yaml"
+    # a price, so that spend tracking has a non-zero cost to add up
+    config.write_text(f"model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
+                      f"      api_base: http://127.0.0.1:{mock_port}/v1\n      api_key: sk-mock\n"
+                      f"      input_cost_per_token: 0.000001\n      output_cost_per_token: 0.000002\n")
+    env = {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "LITELLM_MASTER_KEY": MASTER_KEY, **(db_env or {})}
+    ll = services.start([args.litellm_python, "-m", "litellm.proxy.proxy_cli", "--config", str(config), "--port",
+                         str(port), "--num_workers", "1"], logs / f"{name}.log", env=env)
+    procs.append(ll)
+    try:
+        services.wait_port(port, "/health/liveliness", timeout=300, proc=ll)
+        token = create_key(port, "/key/generate", MASTER_KEY, {"key_alias": "bench"}) if db_env else MASTER_KEY
+        result = asyncio.run(measure(port, token, args.requests, args.seconds))
+        if db_env:
+            time.sleep(12)  # LiteLLM writes spend in batches, every PROXY_BATCH_WRITE_AT (10) seconds
+        return result
+    finally:
+        services.stop(ll)
+
+
+XACTS = "SELECT xact_commit FROM pg_stat_database WHERE datname = 'litellm'"
+
+
+def litellm_db_check(pg: services.Postgres, xacts_before: int) -> dict[str, str]:
+    """What LiteLLM recorded, to show its spend tracking ran.
+
+    spend_log_rows stays at 1: the mock answers every request with the same id, LiteLLM's request_id, and
+    LiteLLM inserts its spend logs with ON CONFLICT DO NOTHING (the batch still goes to Postgres).
+    db_transactions: committed transactions while the proxy ran (start, key, requests, last batch write).
+    """
+    queries = {"key_spend": 'SELECT spend FROM "LiteLLM_VerificationToken" WHERE key_alias = \'bench\'',
+               "daily_requests": 'SELECT coalesce(sum(api_requests), 0) FROM "LiteLLM_DailyUserSpend"',
+               "spend_log_rows": 'SELECT count(*) FROM "LiteLLM_SpendLogs"'}
+    out = {name: pg.query("litellm", sql) for name, sql in queries.items()}
+    return {**out, "db_transactions": str(int(pg.query("litellm", XACTS)) - xacts_before)}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} logical CPUs)"
+    except OSError:
+        pass
+    return f"unknown ({os.cpu_count()} logical CPUs)"
 
 
 def main() -> None:
@@ -75,71 +152,117 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--telemetry-variants", action="store_true",
                         help="also measure the gateway with telemetry off, and with tracing on (console exporter)")
+    parser.add_argument("--state-variants", action="store_true",
+                        help="also measure a stored key + usage recording (SQLite; Postgres + Redis), and LiteLLM "
+                             "with its Postgres spend tracking (with --litellm-python)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="overhead-"))
-    procs = []
-    results: dict[str, dict] = {"date": time.strftime("%Y-%m-%d %H:%M"), "targets": {}}
+    procs: list = []
+    pg = redis = None
+    finished = False
+    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu_model(), "targets": {}, "notes": []}
     try:
-        mock_port = free_port()
-        procs.append(start([sys.executable, "benchmarks/mock_openai.py", "--port", str(mock_port)], logs / "mock.log"))
-        wait_port(mock_port, "/v1/models")
-        results["targets"]["direct"] = asyncio.run(measure(mock_port, "/v1/chat/completions", args.requests,
-                                                           args.seconds))
+        mock_port = services.free_port()
+        procs.append(services.start([sys.executable, "benchmarks/mock_openai.py", "--port", str(mock_port)],
+                                    logs / "mock.log"))
+        services.wait_port(mock_port, "/v1/models")
+        results["targets"]["direct"] = asyncio.run(measure(mock_port, MASTER_KEY, args.requests, args.seconds))
+        if args.state_variants:
+            pg = services.Postgres()
+            pg.start()
+            redis = services.Redis(logs)
 
-        variants = {"llm-gateway": "", "gw-telemetry-off": "telemetry = false\n",
-                    "gw-traces-on": 'traces = "console"\n'}
-        for name, server in variants.items():
-            if name != "llm-gateway" and not args.telemetry_variants:
-                continue
-            gw_port = free_port()
-            config = logs / f"{name}.toml"
-            config.write_text(f"[server]\n{server}\n[backends.mock]\ntype = \"openai\"\n"
-                              f'base_url = "http://127.0.0.1:{mock_port}"\nmodel = "mock"\n\n'
-                              f'[models.mock]\nbackend = "mock"\n')
-            gw = start([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(gw_port),
-                        "--log-level", "warning"], logs / f"{name}.log")
-            procs.append(gw)
-            wait_port(gw_port, "/health")
-            results["targets"][name] = asyncio.run(measure(gw_port, "/v1/chat/completions", args.requests,
-                                                           args.seconds))
-            gw.terminate()
+        for name, (server, tables, key_body, database) in gateway_variants(args, logs, pg, redis).items():
+            try:
+                results["targets"][name] = run_gateway(name, server, tables, key_body, mock_port, logs, args, procs)
+                if database:  # after the gateway stopped: what it recorded, to show usage recording ran
+                    results.setdefault("state_rows", {})[name] = services.table_rows(database, pg)
+            except Exception as e:  # a variant that cannot run is noted; the baseline must run
+                if name == "llm-gateway":
+                    raise
+                results["notes"].append(f"{name}: not measured: {type(e).__name__}: {e} (log: {logs / name}.log)")
 
         if args.litellm_python:
-            ll_port = free_port()
-            ll_config = logs / "litellm.yaml"
-            ll_config.write_text(f"model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
-                                 f"      api_base: http://127.0.0.1:{mock_port}/v1\n      api_key: sk-mock\n")
-            ll = start([args.litellm_python, "-m", "litellm.proxy.proxy_cli", "--config", str(ll_config), "--port",
-                        str(ll_port), "--num_workers", "1"], logs / "litellm.log",
-                       env={"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "LITELLM_MASTER_KEY": MASTER_KEY})
-            procs.append(ll)
-            wait_port(ll_port, "/health/liveliness", timeout=300)
-            results["targets"]["litellm"] = asyncio.run(measure(ll_port, "/v1/chat/completions", args.requests,
-                                                                args.seconds))
+            results["targets"]["litellm"] = run_litellm("litellm", mock_port, logs, args, procs)
+            if pg is not None:
+                try:
+                    db_env = services.prepare_litellm_db(args.litellm_python, pg, logs)
+                    xacts = int(pg.query("litellm", XACTS))
+                    results["targets"]["litellm-db"] = run_litellm("litellm-db", mock_port, logs, args, procs, db_env)
+                    results["litellm_db_check"] = litellm_db_check(pg, xacts)
+                except Exception as e:
+                    results["notes"].append(f"litellm-db: not measured, LiteLLM ran without its database only: "
+                                            f"{type(e).__name__}: {e} (logs: {logs})")
+        finished = True
     finally:
         for proc in procs:
-            proc.terminate()
+            services.stop(proc)
+        if redis is not None:
+            redis.stop()
+        if pg is not None:
+            pg.stop()
+        if finished and not results["notes"]:
+            shutil.rmtree(logs, ignore_errors=True)
+        else:
+            print(f"logs kept in {logs}", file=sys.stderr)
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
 
+def p50(r: dict) -> float:
+    return r["c1_whole"]["latency_p50_ms"]
+
+
+def rate(r: dict) -> float:
+    return r["c16_whole"]["req_per_s"]
+
+
 def report(results: dict) -> None:
     targets = results["targets"]
     direct = targets["direct"]
+    print(f"date: {results['date']}   cpu: {results['cpu']}")
     print(f"{'target':<18} {'c1 p50 ms':>10} {'added ms':>9} {'c1 TTFT p50':>12} {'c16 req/s':>10} {'errors':>7}")
     for name, r in targets.items():
-        added = r["c1_whole"]["latency_p50_ms"] - direct["c1_whole"]["latency_p50_ms"]
         errors = sum(int(v["errors"]) for v in r.values())
-        print(f"{name:<18} {r['c1_whole']['latency_p50_ms']:>10.2f} {added:>9.2f} "
-              f"{r['c1_stream']['ttft_p50_ms']:>12.2f} {r['c16_whole']['req_per_s']:>10.1f} {errors:>7}")
-    if "litellm" in targets:
-        ours, theirs = targets["llm-gateway"], targets["litellm"]
-        ours_added = ours["c1_whole"]["latency_p50_ms"] - direct["c1_whole"]["latency_p50_ms"]
-        theirs_added = theirs["c1_whole"]["latency_p50_ms"] - direct["c1_whole"]["latency_p50_ms"]
-        print(f"added p50 latency: ours / LiteLLM's = {ours_added / theirs_added:.3f} (target <= 0.1)")
-        print(f"saturated rate at c=16: ours / LiteLLM's = "
-              f"{ours['c16_whole']['req_per_s'] / theirs['c16_whole']['req_per_s']:.1f}x (target >= 10)")
+        print(f"{name:<18} {p50(r):>10.2f} {p50(r) - p50(direct):>9.2f} "
+              f"{r['c1_stream']['ttft_p50_ms']:>12.2f} {rate(r):>10.1f} {errors:>7}")
+    for note in results["notes"]:
+        print(f"note: {note}")
+
+    def versus(name: str, base: str, targets_: dict[str, float] | None = None) -> None:
+        if name not in targets or base not in targets:
+            return
+        added, ratio = p50(targets[name]) - p50(targets[base]), rate(targets[name]) / rate(targets[base])
+        line = f"{name} vs {base}: added p50 {added:+.2f} ms"
+        if targets_:
+            limit = targets_["added_p50_ms"]
+            line += f" (target <= +{limit} ms: {'ok' if added <= limit else 'MISSED'})"
+        line += f", c16 req/s {ratio:.2f}x"
+        if targets_:
+            floor = targets_["c16_ratio"]
+            line += f" (target >= {floor}x: {'ok' if ratio >= floor else 'MISSED'})"
+        print(line)
+
+    for name in ("gw-key-sqlite", "gw-key-pg-redis"):
+        versus(name, "llm-gateway", STATE_TARGETS)
+    versus("litellm-db", "litellm")
+    for name, rows in results.get("state_rows", {}).items():
+        print(f"{name} rows after the run: " + ", ".join(f"{t} {n}" for t, n in rows.items()))
+    if "litellm_db_check" in results:
+        print("litellm-db recorded: " + ", ".join(f"{k} {v}" for k, v in results["litellm_db_check"].items()))
+
+    pairs = [("llm-gateway", "litellm", True), ("gw-key-sqlite", "litellm-db", False),
+             ("gw-key-pg-redis", "litellm-db", False)]
+    for ours_name, theirs_name, with_targets in pairs:
+        if ours_name not in targets or theirs_name not in targets:
+            continue
+        ours, theirs = targets[ours_name], targets[theirs_name]
+        added_ratio = (p50(ours) - p50(direct)) / (p50(theirs) - p50(direct))
+        print(f"added p50 latency: {ours_name} / {theirs_name} = {added_ratio:.3f}"
+              + (" (target <= 0.1)" if with_targets else ""))
+        print(f"saturated rate at c=16: {ours_name} / {theirs_name} = {rate(ours) / rate(theirs):.1f}x"
+              + (" (target >= 10)" if with_targets else ""))
 
 
 if __name__ == "__main__":
