@@ -166,6 +166,8 @@ def test_a_prefill_worker_killed_mid_transfer_is_replaced_by_a_local_prefill(pd_
     wait_until(lambda: by_worker(pd_gateway, "llmgw_engine_worker_restarts_total").get("local-prefill-0") == 1
                and by_worker(pd_gateway, "llmgw_engine_worker_up").get("local-prefill-0") == 1,
                "the prefill worker restarted")
+    wait_until(lambda: {labels["replica"]: v for labels, v in samples(pd_gateway, "llmgw_replica_healthy")}
+               .get("local-prefill-0") == 1, "the pool taking the restarted worker back (health check, no ejection)")
     remote = paths(pd_gateway).get("remote", 0)
     again = "Again. " + LONG
     assert completions(pd_gateway, again, 8, stream=False) == colocated(engine_fp32, again, 8)
