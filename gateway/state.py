@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from gateway.routing.shadow import ShadowRecorder
 from gateway.telemetry.key_metrics import store_state
 from gateway.telemetry.metrics import GatewayMetrics, counter, engine_state, gauge
 from gateway.telemetry.pool_metrics import PoolTelemetry, pool_state
+from gateway.telemetry.record import RequestRecord
 from gateway.telemetry.tracing import Tracing
 
 log = logging.getLogger("llmgw")
@@ -62,6 +63,7 @@ class Gateway:
         self.metrics.add_state_source(pool_state(lambda: self.backends))
         self.tracing = Tracing(server.traces, tracer_provider)
         self.shadows = ShadowRecorder(self.metrics)
+        self.request_observers: list[Callable[[RequestRecord], None]] = []  # each finished request (telemetry on)
         self._in_flight = [0]  # shared with each Admission, which gives its place back
         self.gates: dict[str, ModelGate] = {}
         self.draining = False

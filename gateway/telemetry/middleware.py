@@ -73,6 +73,8 @@ class TelemetryMiddleware:
         gw.metrics.in_flight.labels(rec.route).dec()
         gw.metrics.observe_request(rec)
         gw.accounts.record(rec)
+        for observe in gw.request_observers:
+            observe(rec)
         gw.tracing.end_request(rec)
         fields: dict[str, Any] = {
             "request_id": rec.request_id, "method": rec.method, "route": rec.route, "model": rec.model or None,
