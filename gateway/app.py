@@ -28,6 +28,7 @@ from gateway.routes.lora_admin import LoraAdminController
 from gateway.routes.messages import MessagesController
 from gateway.routes.openai import OpenAIController
 from gateway.routes.responses import ResponsesController
+from gateway.routes.rollouts_admin import RolloutsAdminController
 from gateway.routes.tgi import TgiController
 from gateway.state import Gateway
 from gateway.telemetry.middleware import TelemetryMiddleware
@@ -97,6 +98,7 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         await gateway.accounts.open()  # a state database with a schema it does not know stops the start here
+        await gateway.rollouts.open()  # a rollout in progress resumes at its stored step
         gateway.start_backends()
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGHUP reloads the config file
@@ -124,7 +126,8 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
     middleware += [lambda app: ClientLimitsMiddleware(app, gateway), lambda app: AuthMiddleware(app, gateway)]
     app = Litestar(
         route_handlers=[TgiController, OpenAIController, ResponsesController, MessagesController, AdminController,
-                        KeysAdminController, LoraAdminController, metrics, live],
+                        KeysAdminController, LoraAdminController, RolloutsAdminController,
+                        metrics, live],
         middleware=middleware,
         dependencies={"gateway": Provide(provide_gateway, sync_to_thread=False)},
         lifespan=[lifespan],

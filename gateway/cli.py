@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from gateway.cli_rollout import add_parsers as add_rollout_parsers
 from gateway.cli_state import add_parsers as add_state_parsers
 from gateway.config import ConfigError, load_config
 from gateway.migration_report import format_report
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--json", action="store_true")
     report.set_defaults(func=_migration_report)
     add_state_parsers(sub)
+    add_rollout_parsers(sub)
     # listed for --help; its own parser reads the rest of the line
     sub.add_parser("bench", help="TTFT and tokens/s of any TGI or OpenAI endpoint; `bench compare A.json B.json`")
     argv = sys.argv[1:] if argv is None else argv

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from backends.registry import backend_types, get_backend_class
+from gateway.rollout.spec import RolloutSpec
 
 
 class ConfigError(Exception):
@@ -84,6 +85,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     request_timeout: float | None = None  # seconds for a whole generation, whatever the backend
     retries: int = 0  # retries of the same backend before its first token (then the next fallback tier)
     retry_backoff: float = 0.1  # base of the exponential backoff, in seconds, with full jitter
+    rollout: RolloutSpec | None = None  # a staged move to another backend (gateway/rollout/)
 
 
 class ApiKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -178,7 +180,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
                 split = "routes " + ", ".join(f"{r.backend} (type {self.backends[r.backend].type}) weight {r.weight:g}"
                                               for r in model.routes)
             extra = (f" fallback={model.fallback}" if model.fallback else "") + \
-                (f" shadow={model.shadow.backend}@{model.shadow.sample:g}" if model.shadow else "")
+                (f" shadow={model.shadow.backend}@{model.shadow.sample:g}" if model.shadow else "") + \
+                (f" rollout to {model.rollout.candidate} in steps {', '.join(f'{s:g}%' for s in model.rollout.steps)}"
+                 if model.rollout and model.rollout.candidate != model.backend else "")
             lines.append(f"  model {name}{default} -> {split}{aliases}{extra}")
         lines.append(self._describe_keys())
         for name, entry in self.backends.items():
@@ -352,6 +356,16 @@ def _check_routing(name: str, model: ModelConfig, backends: dict[str, BackendEnt
         raise ConfigError(f"{key}.sticky: must be \"header\" or \"user\", got {model.sticky!r}")
     if model.shadow and not 0.0 <= model.shadow.sample <= 1.0:
         raise ConfigError(f"{key}.shadow.sample: must be in [0, 1], got {model.shadow.sample:g}")
+    if model.rollout is not None:
+        spec = model.rollout
+        if spec.candidate not in backends:
+            raise ConfigError(f"{key}.rollout.candidate: no backend named {spec.candidate!r} (defined: "
+                              f"{sorted(backends)})")
+        if model.routes:
+            raise ConfigError(f"{key}.rollout: a rollout moves a model from one `backend` to another, "
+                              "not from a weighted split")
+        if problems := spec.problems():
+            raise ConfigError(f"{key}.rollout." + "; ".join(problems))
 
 
 def _check_limits(name: str, model: ModelConfig) -> None:

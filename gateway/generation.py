@@ -67,6 +67,11 @@ async def start(gw: Gateway, route: ModelRoute, request: GenerationRequest) -> S
     reservation = await gw.accounts.quota.reserve(current_principal.get(), request)
     try:
         return await _start(gw, route, request, reservation)
+    except GatewayError as exc:
+        gw.accounts.quota.settle(reservation, 0)
+        if (rec := current_record.get()) is not None:
+            rec.error_kind = exc.kind
+        raise
     except BaseException:
         gw.accounts.quota.settle(reservation, 0)
         raise
@@ -80,6 +85,8 @@ async def _start(gw: Gateway, route: ModelRoute, request: GenerationRequest, res
     if rec is not None and request.adapter is not None:
         rec.adapter = request.adapter
     names = [name for name, _ in route.tiers]
+    if rec is not None and not rec.routed_backend:
+        rec.model, rec.routed_backend = route.name, names[0]
     timeout = route.config.request_timeout
     deadline = asyncio.get_running_loop().time() + timeout if timeout else None
     gw.tracing.routed(rec, route.name, names, request)
@@ -112,9 +119,9 @@ async def _start(gw: Gateway, route: ModelRoute, request: GenerationRequest, res
                 relayed = _relay(gw, name, backend, first, stream, deadline, timeout)
                 events = _observe(gw, rec, reservation, request.max_new_tokens, route.name, name, relayed, span,
                                   sent_ns)
-                if route.shadow is not None and route.config.shadow is not None:
-                    pair = gw.shadows.mirror(route.name, name, route.shadow, route.config.shadow.max_concurrency,
-                                             request)
+                if route.shadow is not None:
+                    pair = gw.shadows.mirror(route.name, name, route.shadow, route.shadow_limit, request,
+                                             route.shadow_topk)
                     if pair is not None:
                         events = tap(events, pair, sent)
                 return Served(name, events)
@@ -187,7 +194,7 @@ async def _observe(gw: Gateway, rec: RequestRecord | None, reservation: Reservat
         error = exc.kind
         gw.metrics.upstream_errors.labels(backend, exc.kind).inc()
         if rec is not None:
-            rec.error = exc.message
+            rec.error, rec.error_kind = exc.message, exc.kind
         raise
     finally:
         await close_detached(events)  # an `async for` left early does not close what it iterates

@@ -22,6 +22,7 @@ from gateway.config import ConfigError, GatewayConfig, parse_config, primary_rou
 from gateway.errors import GatewayError
 from gateway.policy.accounts import Accounts
 from gateway.policy.auth import KeyRing
+from gateway.rollout.manager import RolloutManager
 from gateway.routing.admission import Admission, ModelGate
 from gateway.routing.health import HealthTracker
 from gateway.routing.router import ModelRoute, Router
@@ -52,8 +53,10 @@ class Gateway:
         self.started: dict[int, bool] = {}  # by id(backend): start() has finished
         self.failed: dict[int, str] = {}  # by id(backend): start() raised this (the reason /health gives)
         backends = backends if backends is not None else build_backends(config)
-        self.snapshot = Snapshot(config, backends, Router(config, backends, self.health, failed=self.failed))
         self.config_path = Path(config_path) if config_path else None
+        self.rollouts = RolloutManager(config, self.config_path, self.reload)
+        self.snapshot = Snapshot(config, backends, Router(config, backends, self.health, failed=self.failed,
+                                                          rollouts=self.rollouts))
         self.metrics = GatewayMetrics(tgi_compatible=server.tgi_metrics,
                                       per_key_series=server.max_key_series if server.metrics_per_key else 0)
         self.metrics.add_state_source(engine_state(self._engines))
@@ -63,7 +66,9 @@ class Gateway:
         self.metrics.add_state_source(pool_state(lambda: self.backends))
         self.tracing = Tracing(server.traces, tracer_provider)
         self.shadows = ShadowRecorder(self.metrics)
-        self.request_observers: list[Callable[[RequestRecord], None]] = []  # each finished request (telemetry on)
+        self.request_observers: list[Callable[[RequestRecord], None]] = [self.rollouts.observe]  # telemetry on
+        self.shadows.pair_observers.append(self.rollouts.observe_pair)
+        self.metrics.add_state_source(self.rollouts.metrics)
         self._in_flight = [0]  # shared with each Admission, which gives its place back
         self.gates: dict[str, ModelGate] = {}
         self.draining = False
@@ -232,6 +237,7 @@ class Gateway:
         for backend in self.backends.values():
             with contextlib.suppress(Exception):
                 await backend.aclose()
+        await self.rollouts.aclose()
         await self.accounts.aclose()
 
     # requests
@@ -333,7 +339,9 @@ class Gateway:
             self.health.eject_after = max(1, new.server.eject_after_failures)
             self.health.cooldown = new.server.eject_cooldown
             self.accounts.reconfigure(new)
-            self.snapshot = Snapshot(new, backends, Router(new, backends, self.health, failed=self.failed))
+            self.rollouts.config = new
+            self.snapshot = Snapshot(new, backends, Router(new, backends, self.health, failed=self.failed,
+                                                           rollouts=self.rollouts))
             kept = {id(b) for b in backends.values()}
             for backend in old.backends.values():
                 if id(backend) not in kept:

@@ -52,7 +52,8 @@ def running_gateway(config_text: str, tmp_dir: Path, *, env: dict[str, str] | No
     log = open(tmp_dir / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
                              "--log-level", "warning"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
+                            # state (rollouts.db, a default state.db) in the test's own folder, unless told otherwise
+                            env={**os.environ, "LLMGW_STATE_DIR": str(tmp_dir / "state"), **(env or {})})
     url = f"http://127.0.0.1:{port}"
     PROCESSES[url] = proc
     try:

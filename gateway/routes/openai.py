@@ -67,6 +67,7 @@ from gateway.telemetry.record import current_record
 from gateway.tools.calls import parsed
 from gateway.tools.plan import ChatPlan, plan_chat
 from gateway.tools.request import tool_request
+from gateway.tools.validity import checked
 from gateway.tools.wire import call_chunks, calls_out
 
 FINGERPRINT = f"llm-gateway-{__version__}"
@@ -283,10 +284,16 @@ def blamed_on(param: str | None) -> Iterator[None]:
 
 
 def tool_parsing(plan: ChatPlan) -> Wrap | None:
-    """The gateway's tool-call parser over each choice's events (its own parser per choice)."""
-    if plan.parsed is None:
+    """The gateway's tool-call parser over each choice's events (its own parser per choice), then the
+    validity check of the calls and of structured output (what a rollout compares between backends)."""
+    tools = plan.parsed or plan.native
+    constraint = plan.constraint if tools is None else None  # a forced call's schema is the tools' own
+    if tools is None and (constraint is None or constraint.kind not in ("json_schema", "json_object")):
         return None
-    return lambda events: parsed(events, plan.parser())  # type: ignore[arg-type]
+    declared = tools.tools if tools is not None else []
+    if plan.parsed is None:
+        return lambda events: checked(events, declared, constraint)
+    return lambda events: checked(parsed(events, plan.parser()), declared, constraint)  # type: ignore[arg-type]
 
 
 def _chunker(kind: type[ChatCompletionChunk] | type[CompletionResponse], response_id: str, created: int, model: str,

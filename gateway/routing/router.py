@@ -8,7 +8,7 @@ import hashlib
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from backends.base import Backend, ChatMessage
 from gateway.chat_template import TemplateError, render_chat
@@ -28,6 +28,8 @@ class ModelRoute:
     tiers: list[tuple[str, Backend]]
     shadow: tuple[str, Backend] | None = None
     config_version: str = "0"
+    shadow_limit: int = 4  # mirrored requests in flight at once for this model
+    shadow_topk: int = 0  # top logprobs the mirror asks the candidate for (a rollout's containment check)
     adapter: str | None = None  # the LoRA adapter the request runs with; every tier serves it
 
     @property
@@ -107,10 +109,23 @@ def weighted_choice(routes: list[WeightedRoute], key: str | None, rng: random.Ra
     return routes[-1].backend
 
 
+class Rollouts(Protocol):
+    """What routing reads from the rollouts (gateway/rollout/manager.py)."""
+
+    def routes_for(self, name: str, model: ModelConfig) -> list[WeightedRoute] | None: ...
+
+    def mirror_for(self, name: str, chosen: str) -> tuple[str, float] | None: ...
+
+
+MIRROR_TOPK = 5  # top-k asked of a rollout's mirror: where greedy answers diverge, is the token in it
+
+
 class Router:
     def __init__(self, config: GatewayConfig, backends: dict[str, Backend], health: HealthTracker,
-                 rng: random.Random | None = None, failed: Mapping[int, str] | None = None) -> None:
+                 rng: random.Random | None = None, failed: Mapping[int, str] | None = None,
+                 rollouts: Rollouts | None = None) -> None:
         self.config = config
+        self.rollouts = rollouts
         self.backends = backends
         self.health = health
         self.rng = rng or random.Random()
@@ -134,7 +149,8 @@ class Router:
         canonical, model = found
         # a backend whose start failed will not serve until a reload replaces it: leave it out, and when every
         # backend of the model failed, say so (rather than a template or tokenizer error from a model not there)
-        routes = [r for r in primary_routes(model) if self._failure(r.backend) is None]
+        staged = self.rollouts.routes_for(canonical, model) if self.rollouts is not None else None
+        routes = [r for r in staged or primary_routes(model) if self._failure(r.backend) is None]
         fallback = [b for b in model.fallback if self._failure(b) is None]
         if not routes and not fallback:
             raise self._all_failed(canonical, model)
@@ -145,11 +161,15 @@ class Router:
         available = [b for b in order if self.health.available(b)]
         # every tier ejected: try them all anyway rather than refuse outright
         tiers = [(b, self.backends[b]) for b in (available or order)]
-        shadow = None
+        shadow, limit, topk = None, model.shadow.max_concurrency if model.shadow else 4, 0
         if model.shadow and model.shadow.backend != chosen and self._failure(model.shadow.backend) is None \
                 and self.rng.random() < model.shadow.sample:
             shadow = (model.shadow.backend, self.backends[model.shadow.backend])
-        route = ModelRoute(canonical, model, tiers, shadow, self.config.version)
+        elif self.rollouts is not None and (mirror := self.rollouts.mirror_for(canonical, chosen)) is not None:
+            candidate, sample = mirror
+            if self._failure(candidate) is None and self.rng.random() < sample:
+                shadow, topk = (candidate, self.backends[candidate]), MIRROR_TOPK
+        route = ModelRoute(canonical, model, tiers, shadow, self.config.version, limit, topk)
         return with_adapter(route, adapter, "model") if adapter is not None else route
 
     def _all_failed(self, canonical: str, model: ModelConfig) -> GatewayError:

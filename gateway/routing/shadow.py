@@ -3,7 +3,8 @@
 The candidate runs in the background: it never delays or changes the primary response, at most
 `max_concurrency` mirrored requests run at once per model (more are dropped and counted), and
 each finished pair records both sides' TTFT, latency, token count and error, whether the outputs
-match exactly, and how long their common prefix is.
+match exactly, and how long their common prefix is. The last few diverging answers of each pair are kept
+(in memory only, never logged) so the admin console can show what differs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,9 @@ import msgspec
 
 from backends.base import Backend, GenerationRequest, TokenEvent, describe
 from gateway.closing import close_detached
+
+KEPT_DIVERGENCES = 20  # diverging answers kept per (model, primary, candidate)
+KEPT_TEXT_CHARS = 4000  # of each answer: enough to see the difference, bounded memory
 
 
 @dataclass
@@ -28,6 +33,17 @@ class Side:
     text: str = ""
     tokens: int = 0
     error: str | None = None
+    prompt_tokens: int | None = None  # from the final usage, where the backend reports one
+    tokens_text: list[str] = field(default_factory=list)  # each event's token text: where answers diverge
+    top_texts: list[set[str]] = field(default_factory=list)  # each event's top-k tokens, where sent
+
+    def add(self, event: TokenEvent) -> None:
+        self.text += event.text
+        self.tokens += 1
+        self.tokens_text.append(event.token_text)
+        self.top_texts.append({t.text for t in event.top_logprobs})
+        if event.finished and event.usage is not None:
+            self.prompt_tokens = event.usage.prompt_tokens
 
 
 @dataclass
@@ -67,9 +83,10 @@ def _side_summary(sides: list[Side]) -> dict[str, Any]:
 
 
 class ShadowPair:
-    def __init__(self, recorder: ShadowRecorder, key: tuple[str, str, str]) -> None:
+    def __init__(self, recorder: ShadowRecorder, key: tuple[str, str, str], greedy: bool = False) -> None:
         self.recorder = recorder
         self.key = key
+        self.greedy = greedy  # both answers are then the same unless the backends differ
         self.primary: Side | None = None
         self.candidate: Side | None = None
         self.discarded = False
@@ -87,9 +104,13 @@ class ShadowRecorder:
         self.stats: dict[tuple[str, str, str], PairStats] = {}
         self.running: dict[tuple[str, str], int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.pair_observers: list[Callable[[str, str, str, ShadowPair], None]] = []  # each finished pair
+        self.divergences: dict[tuple[str, str, str], deque[dict[str, Any]]] = {}
 
     def mirror(self, model: str, primary: str, candidate: tuple[str, Backend], max_concurrency: int,
-               request: GenerationRequest) -> ShadowPair | None:
+               request: GenerationRequest, topk: int = 0) -> ShadowPair | None:
+        """Mirror `request` to the candidate (asking it for `topk` top logprobs per token, if more than the
+        client asked for); the pair to hand the primary's events to (tap), or None when dropped."""
         name, backend = candidate
         key = (model, primary, name)
         stats = self.stats.setdefault(key, PairStats())
@@ -97,8 +118,10 @@ class ShadowRecorder:
             stats.dropped += 1  # the candidate is saturated: never queue behind it
             self._count(key, "dropped")
             return None
-        pair = ShadowPair(self, key)
+        pair = ShadowPair(self, key, greedy=request.greedy)
         copy = msgspec.structs.replace(request, request_id=f"shadow-{uuid.uuid4().hex}", stream=True)
+        if topk > copy.top_logprobs:
+            copy = msgspec.structs.replace(copy, logprobs=True, top_logprobs=topk)
         self.running[(model, name)] = self.running.get((model, name), 0) + 1
         task = asyncio.create_task(self._run_candidate(pair, backend, copy, (model, name)))
         self.tasks.add(task)
@@ -113,8 +136,7 @@ class ShadowRecorder:
             async for event in backend.generate(request):
                 if side.ttft is None:
                     side.ttft = time.perf_counter() - started
-                side.text += event.text
-                side.tokens += 1
+                side.add(event)
                 if event.finished:
                     break
         except Exception as exc:
@@ -135,8 +157,16 @@ class ShadowRecorder:
             stats.exact += a == b
             stats.prefix_ratios.append(common_prefix(a, b) / max(len(a), len(b)) if (a or b) else 1.0)
             self._count(pair.key, "exact" if a == b else "differ")
+            if a != b:
+                model, primary, candidate = pair.key
+                kept = self.divergences.setdefault(pair.key, deque(maxlen=KEPT_DIVERGENCES))
+                kept.append({"model": model, "primary": primary, "candidate": candidate, "at": time.time(),
+                             "primary_text": a[:KEPT_TEXT_CHARS], "candidate_text": b[:KEPT_TEXT_CHARS],
+                             "truncated": max(len(a), len(b)) > KEPT_TEXT_CHARS})
         else:
             self._count(pair.key, "error")
+        for observe in self.pair_observers:
+            observe(*pair.key, pair)
 
     def _count(self, key: tuple[str, str, str], outcome: str) -> None:
         if self.metrics is not None:
@@ -154,6 +184,10 @@ class ShadowRecorder:
                 "candidate_stats": _side_summary(stats.candidate)})
         return rows
 
+    def recent_divergences(self) -> list[dict[str, Any]]:
+        """The kept diverging answers of every pair, newest first."""
+        return sorted((d for kept in self.divergences.values() for d in kept), key=lambda d: -d["at"])
+
 
 async def tap(events: AsyncIterator[TokenEvent], pair: ShadowPair, started: float) -> AsyncIterator[TokenEvent]:
     """Pass the primary's events through unchanged, noting what the comparison needs
@@ -164,8 +198,7 @@ async def tap(events: AsyncIterator[TokenEvent], pair: ShadowPair, started: floa
         async for event in events:
             if side.ttft is None:
                 side.ttft = time.perf_counter() - started
-            side.text += event.text
-            side.tokens += 1
+            side.add(event)
             finished = finished or event.finished
             yield event
     except Exception as exc:

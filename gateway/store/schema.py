@@ -61,3 +61,37 @@ responses = sa.Table(
     sa.Column("body", sa.LargeBinary, nullable=False),  # msgspec JSON: the response object and its conversation
     sa.Index("ix_responses_expires_at", "expires_at"),
 )
+
+# staged rollouts (gateway/rollout/): one row per model, the decisions appended, each replica's window of the
+# current step, and the leader's lease
+rollouts = sa.Table(
+    "rollouts", metadata,
+    sa.Column("model", sa.String(200), primary_key=True),
+    sa.Column("version", sa.Integer, nullable=False),  # bumped by every write: writers compare and swap
+    sa.Column("doc", sa.JSON, nullable=False),  # the spec, state, step, epoch, last gate results
+    sa.Column("updated_at", Timestamp, nullable=False),
+)
+
+rollout_decisions = sa.Table(
+    "rollout_decisions", metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("model", sa.String(200), nullable=False, index=True),
+    sa.Column("at", Timestamp, nullable=False),
+    sa.Column("doc", sa.JSON, nullable=False),  # action, step, weight, reason, by, the gates' figures
+)
+
+rollout_windows = sa.Table(
+    "rollout_windows", metadata,
+    sa.Column("model", sa.String(200), primary_key=True),
+    sa.Column("replica", sa.String(200), primary_key=True),
+    sa.Column("epoch", sa.Integer, nullable=False),  # the step it belongs to (rollouts.doc.epoch)
+    sa.Column("doc", sa.JSON, nullable=False),
+    sa.Column("updated_at", Timestamp, nullable=False),
+)
+
+leases = sa.Table(
+    "leases", metadata,
+    sa.Column("name", sa.String(100), primary_key=True),
+    sa.Column("holder", sa.String(200), nullable=False),
+    sa.Column("expires_at", Timestamp, nullable=False),
+)

@@ -19,6 +19,7 @@ class RequestRecord:
     model: str = ""
     adapter: str = ""  # the LoRA adapter, when one was asked for
     backend: str = ""
+    routed_backend: str = ""  # the backend the weighted choice picked (a fallback tier may have served instead)
     replica: str = ""  # in a pool: the replica that served it...
     balance: str = ""  # ...and why the balancer chose it (prefix_hit, cold, imbalanced, least_load, round_robin)
     handover: Any = None  # prefill/decode: backends/pool/disaggregated.py's Handover (replicas, KV bytes, fallback)
@@ -32,6 +33,9 @@ class RequestRecord:
     queue: float | None = None
     validation: float | None = None  # seconds spent validating (TGI routes)
     error: str = ""
+    error_kind: str = ""  # the GatewayError kind that ended it (gateway/errors.py)
+    tool_calls_valid: bool | None = None  # an answer with tool calls: each names a declared tool, arguments match
+    structured_valid: bool | None = None  # an answer held to a JSON schema: it parses and matches
     prompt_text: str | None = None
     output_text: str = ""
     ended: float | None = None
