@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 CONFIG ?= config.toml
 
-.PHONY: install vllm-env run test test-fast lint bench image
+.PHONY: install vllm-env run test test-fast lint bench image console
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -59,3 +59,8 @@ bench: install
 # the container image (CPU; VARIANT=cuda for torch's CUDA build) with docker or podman: README, Deployment
 image:
 	deploy/build-image.sh
+
+# the admin console's bundle in gateway/console/static/ (committed): the npm libraries at package-lock.json's
+# versions, then esbuild (tests/test_console.py checks the bundle against both and against src/)
+console:
+	cd gateway/console && npm ci --no-audit --no-fund && node build.mjs

@@ -23,6 +23,7 @@ from gateway.errors import GatewayError
 from gateway.generation import ClientGone
 from gateway.policy.guards import AuthMiddleware, ClientLimitsMiddleware
 from gateway.routes.admin import AdminController
+from gateway.routes.console import ConsoleController
 from gateway.routes.keys_admin import KeysAdminController
 from gateway.routes.lora_admin import LoraAdminController
 from gateway.routes.messages import MessagesController
@@ -32,6 +33,7 @@ from gateway.routes.rollouts_admin import RolloutsAdminController
 from gateway.routes.tgi import TgiController
 from gateway.state import Gateway
 from gateway.telemetry.middleware import TelemetryMiddleware
+from gateway.telemetry.series import BackendSeries
 
 log = logging.getLogger("llmgw")
 
@@ -94,6 +96,8 @@ def _on_unexpected(request: Request, exc: Exception) -> Response:
 def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None,
                config_path: str | Path | None = None, tracer_provider: Any = None) -> Litestar:
     gateway = Gateway(config, backends, config_path, tracer_provider)
+    series = BackendSeries()  # the console's charts: /admin/series
+    gateway.request_observers.append(series.observe)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -126,7 +130,7 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
     middleware += [lambda app: ClientLimitsMiddleware(app, gateway), lambda app: AuthMiddleware(app, gateway)]
     app = Litestar(
         route_handlers=[TgiController, OpenAIController, ResponsesController, MessagesController, AdminController,
-                        KeysAdminController, LoraAdminController, RolloutsAdminController,
+                        KeysAdminController, LoraAdminController, RolloutsAdminController, ConsoleController,
                         metrics, live],
         middleware=middleware,
         dependencies={"gateway": Provide(provide_gateway, sync_to_thread=False)},
@@ -143,4 +147,5 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
         debug=False,
     )
     app.state.gateway = gateway
+    app.state.series = series
     return app

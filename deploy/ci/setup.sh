@@ -2,7 +2,8 @@
 # What tests/test_image.py needs on a machine of our kind (no Docker daemon, no container registry or
 # PyTorch index reachable; the package registries are): podman from apt with the settings this machine
 # needs, a local stand-in for python:3.11-slim made with debootstrap, and the CPU torch wheel that pip
-# finds here, which deploy/build-image.sh serves to the build from a local index.
+# finds here, which deploy/build-image.sh serves to the build from a local index. Then what the state
+# store's tests (PostgreSQL, Redis) and the console's (chromium, chromedriver) need.
 # See /work/shared/reference/containers.md. Idempotent: each step is skipped when its result is there.
 # Run as root. Prints each step's time.
 set -euo pipefail
@@ -130,6 +131,17 @@ else
     # the packages' own services are not needed: stop whatever the install started
     { service postgresql stop; service redis-server stop; } >/dev/null 2>&1 || true
     done_ "installed ($(pg_bin), $(redis-server --version | awk '{print $3}'))"
+fi
+
+# 7. chromium and its chromedriver for tests/test_console.py, which drives the admin console through Selenium with
+#    these two (Selenium Manager is kept offline: nothing is downloaded at test time)
+step "chromium and chromedriver"
+if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
+    done_ "already installed ($(chromium --version 2>/dev/null | awk '{print $2}'))"
+else
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+    done_ "installed ($(chromium --version 2>/dev/null | awk '{print $2}'))"
 fi
 
 echo "== setup: podman $(podman info --format '{{.Host.OCIRuntime.Name}} {{.Store.GraphDriverName}}'), \

@@ -1,8 +1,9 @@
 """ASGI middleware that guards every request before routing: API keys, and clients that are too
 big or too slow. Errors come in the protocol's own shape (OpenAI's under /v1/, TGI's elsewhere).
 
-- Keys: when `[auth]` lists any, every route but /live, the admin routes (which take the admin key)
-  and, unless protected by config, /health, /ping, /info, /docs and /metrics needs `Bearer <key>`.
+- Keys: when `[auth]` lists any, every route but /live, the admin routes (which take the admin key), the
+  console's page and script (no data in them: it calls the admin routes with the admin key) and, unless
+  protected by config, /health, /ping, /info, /docs and /metrics needs `Bearer <key>`.
 - Body: read whole before the app sees it, within `server.body_timeout` seconds (else 408) and
   `server.max_body_bytes` (else 413), so a slow sender cannot hold a request open.
 - Each response write must complete within `server.send_timeout` seconds: a client that stops
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from gateway.state import Gateway
 
 log = logging.getLogger("llmgw")
-ALWAYS_OPEN = ("/live",)
+ALWAYS_OPEN = ("/live", "/console")
 HEALTH_ROUTES = ("/health", "/ping", "/info", "/docs")
 Scope = dict[str, Any]
 
