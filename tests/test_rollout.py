@@ -261,10 +261,10 @@ def test_a_gateway_restarted_mid_rollout_resumes_at_the_same_step_with_its_windo
             assert (after["state"], after["step"], after["weight"]) == ("running", 0, 30)
             assert after["epoch"] == before["epoch"] and after["decisions"] == before["decisions"]
             assert after["window"]["candidate"]["requests"] >= before["window"]["candidate"]["requests"]
-            assert set(served_by(url, 40)) == {"a", "b"}  # still split
-            counted = before["window"]["candidate"]["requests"] + before["window"]["baseline"]["requests"]
+            # still split; and enough samples that the leader looks again (it looks as they grow by half)
+            assert set(served_by(url, 100)) == {"a", "b"}
             wait_until(lambda: (w := rollout(url, "m")["window"])["candidate"]["requests"]
-                       + w["baseline"]["requests"] >= counted + 40, "the windows of both runs counted together")
+                       + w["baseline"]["requests"] > 100, "the windows of both runs counted together")
 
 
 def test_two_gateways_follow_one_leader_and_split_traffic_by_the_step_weight(tmp_path: Path):
@@ -313,3 +313,21 @@ def test_a_shadow_phase_mirrors_every_request_before_the_first_live_step(tmp_pat
             assert advance["action"] == "advance" and "the shadow phase" in advance["reason"]
             assert {g["name"]: g["status"] for g in advance["gates"]} == {"agreement": "pass"}
             assert state["weight"] == 30 and set(served_by(url, 40)) == {"a", "b"}  # ...then the step's split
+
+
+def test_a_step_still_inconclusive_at_its_deadline_pauses_and_resumes_on_request(tmp_path: Path):
+    with scripted_upstream(openai_text_routes("Blue")) as a, scripted_upstream(openai_text_routes("Blue")) as b:
+        with running_gateway(scripted_config({"a": a, "b": b}, "a"), tmp_path) as url:
+            # a p95 needs far more samples than a few requests give: the gate stays inconclusive
+            spec = {**held(ttft_p95_ratio=1.2), "step_min_requests": 5, "step_max_seconds": 2.0}
+            assert start(url, "m", "b", spec).status_code == 201
+            served_by(url, 30)
+            state = wait_until(lambda: (r := rollout(url, "m"))["state"] == "paused" and r, "the pause")
+            decision = last_decision(state)
+            assert decision["action"] == "inconclusive" and "ttft_p95_ratio" in decision["reason"]
+            assert state["weight"] == 30  # a pause holds the step's weights
+            resumed = httpx.post(f"{url}/admin/rollouts/m/resume", headers=ADMIN, timeout=CLIENT_TIMEOUT).json()
+            assert resumed["state"] == "running" and last_decision(resumed)["action"] == "resume"
+            back = httpx.post(f"{url}/admin/rollouts/m/abort", headers=ADMIN, timeout=CLIENT_TIMEOUT).json()
+            assert back["state"] == "aborted" and back["weight"] == 0
+            assert set(served_by(url, 10)) == {"a"}
