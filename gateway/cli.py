@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
+from gateway.cli_admin import admin_request
 from gateway.cli_rollout import add_parsers as add_rollout_parsers
 from gateway.cli_state import add_parsers as add_state_parsers
 from gateway.config import ConfigError, load_config
@@ -44,19 +44,9 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _migration_report(args: argparse.Namespace) -> int:
-    import httpx
-
-    key = args.admin_key or os.environ.get("LLMGW_ADMIN_KEY", "")
-    try:
-        response = httpx.get(f"{args.url.rstrip('/')}/admin/migrations", headers={"authorization": f"Bearer {key}"},
-                             timeout=10)
-    except httpx.HTTPError as exc:
-        print(f"llmgw: cannot reach {args.url}: {exc}", file=sys.stderr)
+    report = admin_request(args, "GET", "/admin/migrations")
+    if report is None:
         return 1
-    if response.status_code != 200:
-        print(f"llmgw: {response.status_code}: {response.text}", file=sys.stderr)
-        return 1
-    report = response.json()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

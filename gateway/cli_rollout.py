@@ -4,42 +4,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
+
+from gateway.cli_admin import admin_request
 
 ACTIONS = ("pause", "resume", "promote", "abort", "step-back")
 
 
 def _rollout(args: argparse.Namespace) -> int:
-    import httpx
-
-    key = args.admin_key or os.environ.get("LLMGW_ADMIN_KEY", "")
-    base = f"{args.url.rstrip('/')}/admin/rollouts"
-    headers = {"authorization": f"Bearer {key}"}
     if args.action != "status" and not args.model:
         print(f"llmgw: rollout {args.action} needs --model", file=sys.stderr)
         return 2
-    try:
-        if args.action == "start":
-            body: dict[str, Any] = {"model": args.model, "candidate": args.candidate}
-            if args.steps:
-                body["steps"] = [float(s) for s in args.steps.split(",")]
-            for field in ("step_min_seconds", "step_min_requests", "shadow_seconds"):
-                if getattr(args, field) is not None:
-                    body[field] = getattr(args, field)
-            response = httpx.post(base, json=body, headers=headers, timeout=30)
-        elif args.action == "status":
-            response = httpx.get(f"{base}/{args.model}" if args.model else base, headers=headers, timeout=30)
-        else:
-            response = httpx.post(f"{base}/{args.model}/{args.action}", headers=headers, timeout=30)
-    except httpx.HTTPError as exc:
-        print(f"llmgw: cannot reach {args.url}: {exc}", file=sys.stderr)
+    if args.action == "start":
+        body: dict[str, Any] = {"model": args.model, "candidate": args.candidate}
+        if args.steps:
+            body["steps"] = [float(s) for s in args.steps.split(",")]
+        for field in ("step_min_seconds", "step_min_requests", "shadow_seconds"):
+            if getattr(args, field) is not None:
+                body[field] = getattr(args, field)
+        answer = admin_request(args, "POST", "/admin/rollouts", json=body)
+    elif args.action == "status":
+        answer = admin_request(args, "GET", f"/admin/rollouts/{args.model}" if args.model else "/admin/rollouts")
+    else:
+        answer = admin_request(args, "POST", f"/admin/rollouts/{args.model}/{args.action}")
+    if answer is None:
         return 1
-    if response.status_code >= 400:
-        print(f"llmgw: {response.status_code}: {response.text}", file=sys.stderr)
-        return 1
-    answer = response.json()
     if args.json:
         print(json.dumps(answer, indent=2))
         return 0

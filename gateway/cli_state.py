@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any
 
+from gateway.cli_admin import admin_request
 from gateway.config import ConfigError, load_config
 
 
@@ -55,11 +56,6 @@ def _state(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    import httpx
-
-    key = args.admin_key or os.environ.get("LLMGW_ADMIN_KEY", "")
-    base = f"{args.url.rstrip('/')}/admin/keys"
-    headers = {"authorization": f"Bearer {key}"}
     body: dict[str, Any] = {}
     if (args.action == "create" and not args.name) or (args.action == "revoke" and not args.id):
         print(f"llmgw: keys {args.action} needs --{'name' if args.action == 'create' else 'id'}", file=sys.stderr)
@@ -69,20 +65,13 @@ def _keys(args: argparse.Namespace) -> int:
         for field in ("rpm", "tpm", "max_tokens_per_day", "max_tokens_per_month", "expires_at"):
             if getattr(args, field) is not None:
                 body[field] = getattr(args, field)
-    try:
-        if args.action == "create":
-            response = httpx.post(base, json=body, headers=headers, timeout=30)
-        elif args.action == "list":
-            response = httpx.get(base, params={"include_revoked": str(args.all).lower()}, headers=headers, timeout=30)
-        else:
-            response = httpx.delete(f"{base}/{args.id}", headers=headers, timeout=30)
-    except httpx.HTTPError as exc:
-        print(f"llmgw: cannot reach {args.url}: {exc}", file=sys.stderr)
+        answer = admin_request(args, "POST", "/admin/keys", json=body)
+    elif args.action == "list":
+        answer = admin_request(args, "GET", "/admin/keys", params={"include_revoked": str(args.all).lower()})
+    else:
+        answer = admin_request(args, "DELETE", f"/admin/keys/{args.id}")
+    if answer is None:
         return 1
-    if response.status_code >= 400:
-        print(f"llmgw: {response.status_code}: {response.text}", file=sys.stderr)
-        return 1
-    answer = response.json()
     if args.json or args.action != "list":
         print(json.dumps(answer, indent=2))
         if args.action == "create":
