@@ -108,7 +108,9 @@ def _load(march: str) -> KernelBuild | None:
         if module is None:
             from torch.utils.cpp_extension import _get_build_directory, load
 
-            cached = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+            build_dir = Path(_get_build_directory(name, verbose=False))
+            _clear_stale_lock(build_dir)
+            cached = (build_dir / f"{name}.so").is_file()
             source = "cache" if cached else "compiled"
             log.info("CPU kernels: %s (-march=%s) ...", "loading the cached build" if cached
                      else "compiling for this CPU, once (about a minute)", march)
@@ -118,6 +120,23 @@ def _load(march: str) -> KernelBuild | None:
         log.warning("CPU kernels unavailable, using the torch reference paths: %s", exc)
         return None
     return KernelBuild(module, march, module.compiled_isa(), source, time.perf_counter() - started)
+
+
+STALE_LOCK_SECONDS = 600.0  # no file of a live build stays untouched this long (one source compiles in < 1 min)
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """torch's build lock left by a process killed mid-build makes every later load wait on it forever:
+    remove it when nothing in the build folder has changed for STALE_LOCK_SECONDS."""
+    lock = build_dir / "lock"
+    try:
+        newest = max(p.stat().st_mtime for p in build_dir.iterdir())
+        if lock.exists() and time.time() - newest > STALE_LOCK_SECONDS:
+            log.warning("CPU kernels: removing a stale build lock (%s, untouched for %.0f s: its build was killed)",
+                        lock, time.time() - newest)
+            lock.unlink(missing_ok=True)
+    except (OSError, ValueError):  # no folder yet (ValueError: empty), or another process removed it first
+        pass
 
 
 def cpu_kernels() -> ModuleType | None:
