@@ -331,3 +331,23 @@ def test_a_step_still_inconclusive_at_its_deadline_pauses_and_resumes_on_request
             back = httpx.post(f"{url}/admin/rollouts/m/abort", headers=ADMIN, timeout=CLIENT_TIMEOUT).json()
             assert back["state"] == "aborted" and back["weight"] == 0
             assert set(served_by(url, 10)) == {"a"}
+
+
+def test_a_candidate_that_answers_5xx_rolls_back_on_the_error_gates_by_class(tmp_path: Path):
+    with scripted_upstream(openai_text_routes("Blue")) as a, \
+            scripted_upstream(openai_text_routes("Blue", status=500)) as b:
+        text = scripted_config({"a": a, "b": b}, "a").replace(  # passive ejection would hide the failing candidate
+            'admin_key = "ro-admin"\n', 'admin_key = "ro-admin"\neject_after_failures = 1000\n')
+        with running_gateway(text, tmp_path) as url:
+            assert start(url, "m", "b", {**quick(error_rate_increase=0.05), "steps": [50, 100]}).status_code == 201
+            body = {"model": "m", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+            statuses: set[int] = set()
+            for _ in range(200):
+                statuses.add(httpx.post(f"{url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT).status_code)
+                if rollout(url, "m")["state"] != "running":
+                    break
+            state = rollout(url, "m")
+            assert state["state"] == "rolled_back" and statuses >= {200, 502}
+            failed = {g["name"] for g in last_decision(state)["gates"] if g["status"] == "fail"}
+            assert failed == {"error_rate", "error_rate_5xx"}
+            assert state["window"]["candidate"]["errors"]["5xx"] >= 5

@@ -48,7 +48,7 @@ def evaluate(spec: RolloutSpec, window: Window, look: int, shadow: bool) -> list
     if g.on("tpot_p50_ratio"):
         out.append(_ratio("tpot_p50_ratio", cand.tpot, base.tpot, 0.5, g.tpot_p50_ratio, z, m))
     if g.on("error_rate_increase"):
-        out.append(_errors(cand, base, g.error_rate_increase, z, m))
+        out += _errors(cand, base, g.error_rate_increase, z, m)
     p = window.pairs
     if g.on("min_agreement"):
         out.append(_at_least("agreement", p.exact, p.greedy, g.min_agreement, z, m,
@@ -101,14 +101,25 @@ def _exceeds(cand: list[float], base: list[float], q: float, threshold: float, z
     return wilson(above, len(cand), z)[0] > 1 - q
 
 
-def _errors(cand: Side, base: Side, threshold: float, z: float, m: int) -> GateResult:
-    classes = ", ".join(f"{k} {v}" for k, v in sorted(cand.errors.items())) or "none"
-    what = f"candidate error rate - baseline's (candidate's errors: {classes})"
-    if not cand.requests:
-        return GateResult("error_rate", threshold, None, None, None, "no_data", base.requests, 0, what)
-    d, (low, high) = rate_difference(cand.error_count, cand.requests, base.error_count, base.requests, z)
-    status = _status(low, high, threshold, True) if min(cand.requests, base.requests) >= m else "inconclusive"
-    return GateResult("error_rate", threshold, d, low, high, status, base.requests, cand.requests, what)
+def _errors(cand: Side, base: Side, threshold: float, z: float, m: int) -> list[GateResult]:
+    """All errors together, then each class that occurred on either side on its own (more timeouts must not
+    hide behind fewer 5xx)."""
+    out = [_error_rate("error_rate", cand.error_count, cand.requests, base.error_count, base.requests, threshold,
+                       z, m, "all classes")]
+    for kind in sorted(set(cand.errors) | set(base.errors)):
+        out.append(_error_rate(f"error_rate_{kind}", cand.errors.get(kind, 0), cand.requests,
+                               base.errors.get(kind, 0), base.requests, threshold, z, m, kind))
+    return out
+
+
+def _error_rate(name: str, ck: int, cn: int, bk: int, bn: int, threshold: float, z: float, m: int,
+                kind: str) -> GateResult:
+    what = f"candidate error rate - baseline's ({kind}: {ck} of {cn} against {bk} of {bn})"
+    if not cn:
+        return GateResult(name, threshold, None, None, None, "no_data", bn, 0, what)
+    d, (low, high) = rate_difference(ck, cn, bk, bn, z)
+    status = _status(low, high, threshold, True) if min(cn, bn) >= m else "inconclusive"
+    return GateResult(name, threshold, d, low, high, status, bn, cn, what)
 
 
 def _drop(name: str, ck: int, cn: int, bk: int, bn: int, threshold: float, z: float, m: int,
