@@ -41,42 +41,67 @@ _BUILD_LOCK = threading.Lock()
 
 
 class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`type = "engine"`: the in-house engine (engine_core) serving a model from local weights."""
+
     type: str = "engine"
-    model: str = "embedded"  # "embedded", a local HF directory, or a hub id
-    dtype: str = "auto"  # bf16 on CUDA and CPUs with native bf16 (AVX512-BF16, AMX), else float32
-    # "auto": as stored (a .gguf keeps its block formats); "none": all in the dtype; "int8" / "int4" at load
+    """Selects this backend type."""
+    model: str = "embedded"
+    """The model: "embedded" (the packaged default), a local HF directory, a .gguf file, or a hub id."""
+    dtype: str = "auto"
+    """The weights' dtype. "auto": bf16 on CUDA and CPUs with native bf16 (AVX512-BF16, AMX), else float32;
+    or "float32", "bfloat16", "float16" (CUDA)."""
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    """Weight quantization. "auto": as stored (a .gguf keeps its block formats); "none": all in the dtype;
+    "int8" / "int4": quantized at load."""
     kv_cache_mb: int = 512
+    """Memory budget of the paged KV cache, in MiB (per worker process)."""
     block_size: int = 16
+    """Tokens per KV-cache block."""
     max_num_seqs: int = 64
+    """Sequences in one engine step at most."""
     max_num_batched_tokens: int = 2048
+    """Tokens computed in one engine step at most (longer prefills are chunked)."""
     max_model_len: int | None = None
+    """Context length; default: the model's max_position_embeddings."""
     enable_prefix_caching: bool = False
+    """Reuse the KV blocks of prompt prefixes seen before."""
     num_threads: int | None = None
-    # auto: Triton on CUDA; on CPU the compiled kernels for bf16 when they build, else the torch reference
+    """Torch intra-op threads; default: in worker processes the cores divided among the replicas, in a thread
+    torch's default."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when torch sees a GPU
-    cuda_graphs: bool = True  # CUDA only: decode steps replayed from graphs captured per batch size
-    lora_adapters: dict[str, str] = {}  # LoRA adapter name -> PEFT adapter directory, loaded at start
-    max_loras: int = 4  # distinct adapters in one engine step (requests of others wait a step)
-    max_lora_rank: int = 16  # adapters of a higher rank are refused
-    # "process": the engine runs in a worker process of its own (backends/engine_worker), so the gateway's event
-    # loop does not share a GIL with the step loop; "thread": in the gateway's process (tests, debugging)
+    """Attention kernels. "auto": Triton on CUDA; on CPU the compiled kernels for bf16 when they build, else the
+    torch reference."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the engine runs. "auto": CUDA when torch sees a GPU, else the CPU."""
+    cuda_graphs: bool = True
+    """CUDA only: decode steps replayed from graphs captured per batch size."""
+    lora_adapters: dict[str, str] = {}
+    """LoRA adapter name -> PEFT adapter directory, loaded at start."""
+    max_loras: int = 4
+    """Distinct adapters in one engine step (requests of others wait a step)."""
+    max_lora_rank: int = 16
+    """Adapters of a higher rank are refused."""
     workers: Literal["process", "thread"] = "process"
-    # replicas > 1: that many worker processes, each with its own KV cache and num_threads (default: the cores
-    # divided among them), behind one balancer (backends/pool/balance.py explains the policies)
+    """How the engine runs. "process": in a worker process of its own (backends/engine_worker), so the gateway's
+    event loop does not share a GIL with the step loop; "thread": in the gateway's process (tests, debugging)."""
     replicas: int = 1
+    """Over 1: that many worker processes, each with its own KV cache and num_threads (default: the cores
+    divided among them), behind one balancer (backends/pool/balance.py explains the policies)."""
     balance: Literal["round_robin", "least_load", "prefix"] = "prefix"
-    # prefill/decode disaggregation (backends/pool/disaggregated.py): `prefill_replicas` of the `replicas` workers
-    # prefill and hand the KV over through shared memory, the rest decode; 0: every worker does both
+    """How the replicas share requests: "prefix" (prompt-prefix affinity), "least_load" or "round_robin"."""
     prefill_replicas: int = 0
-    pd_threshold_tokens: int = PD_THRESHOLD_TOKENS  # uncached prompt tokens from which prefill goes remote
-    prefill_timeout: float = 60.0  # seconds for a prefill leg's handover before the decode worker prefills
-    # how the KV moves: "shm", a file in /dev/shm (workers on one host); "zmq", inside the workers' ZeroMQ
-    # messages through the gateway (workers that share no memory); the layout is checked on both sides
+    """Prefill/decode disaggregation (backends/pool/disaggregated.py): this many of the `replicas` workers prefill
+    and hand the KV over, the rest decode; 0: every worker does both."""
+    pd_threshold_tokens: int = PD_THRESHOLD_TOKENS
+    """Uncached prompt tokens from which prefill goes to a prefill worker."""
+    prefill_timeout: float = 60.0
+    """Seconds for a prefill leg's handover before the decode worker prefills itself."""
     kv_transport: Literal["shm", "zmq"] = "shm"
-    # `[backends.<engine>.speculative]`: engine_core/spec_decode/config.py's fields, vLLM's names; absent: off
+    """How the KV moves: "shm", a file in /dev/shm (workers on one host); "zmq", inside the workers' ZeroMQ
+    messages through the gateway (workers that share no memory); the layout is checked on both sides."""
     speculative: dict[str, Any] | None = None
+    """`[backends.<name>.speculative]`: speculative decoding (engine_core/spec_decode/config.py's fields, vLLM's
+    names); absent: off."""
 
     def __post_init__(self) -> None:
         self.speculative_config()  # a bad table is refused when the config is read

@@ -30,15 +30,25 @@ class HttpSettings(PoolFields, frozen=True, forbid_unknown_fields=True, kw_only=
     """Connection settings common to every HTTP backend type; the pool fields make it many replicas."""
 
     type: str
-    base_url: str = ""  # one server; or `endpoints`, or this with discovery = "dns" (PoolFields)
+    """The backend type's name (each type sets its own)."""
+    base_url: str = ""
+    """One server; or `endpoints`, or this with discovery = "dns" (the pool keys)."""
     api_key: str | None = None
-    api_key_env: str | None = None  # name of an environment variable holding the key
+    """Sent to the upstream as `Authorization: Bearer <key>`; None: no key."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding the key (it wins over api_key when set)."""
     connect_timeout: float = 5.0
-    first_token_timeout: float = 60.0  # request sent → first event
-    idle_timeout: float = 30.0  # longest gap between two events
+    """Seconds to connect to the upstream (and for each health check)."""
+    first_token_timeout: float = 60.0
+    """Seconds from the request sent to the first event."""
+    idle_timeout: float = 30.0
+    """Longest gap between two events, in seconds."""
     total_timeout: float = 600.0
+    """Seconds for a whole upstream request."""
     max_connections: int = 100
+    """Connections open to the upstream at once (in a pool: to each replica)."""
     max_keepalive_connections: int = 20
+    """Idle connections kept open for reuse."""
 
     def __post_init__(self) -> None:
         self.check_pool(self.base_url)

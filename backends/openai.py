@@ -67,17 +67,26 @@ PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remo
 
 
 class OpenAISettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`type = "openai"`: any OpenAI-compatible server (vLLM, trtllm-serve, SGLang, llama.cpp server)."""
+
     type: str = "openai"
-    model: str  # the upstream's model name; clients may call it by another
+    """Selects this backend type."""
+    model: str
+    """The upstream's model name; clients may call it by another."""
     flavor: Literal["vllm", "trtllm", "generic"] = "generic"
-    max_model_len: int | None = None  # default: what the upstream's /v1/models says, if it says
-    # the constraint kinds to let through; default: every kind the flavor has a wire form for
-    # (trtllm-serve enforces them only when started with a guided_decoding_backend)
+    """Which server it is, for what goes beyond OpenAI's fields: the wire form of output constraints
+    (backends/constraints.py; "generic": JSON kinds only); "vllm": token ids returned, prefill/decode legs;
+    "trtllm": `parallel_tool_calls` sent only when false."""
+    max_model_len: int | None = None
+    """Context length; default: what the upstream's /v1/models says, if it says."""
     constraint_kinds: list[ConstraintKind] | None = None
-    native_tools: bool = True  # False: the gateway does tool calling over plain messages
-    # LoRA adapters the upstream serves: the name clients use -> the upstream's model name for it (vLLM's
-    # --lora-modules name), so a migration keeps the clients' names
+    """The constraint kinds to let through; default: every kind the flavor has a wire form for (trtllm-serve
+    enforces them only when started with a guided_decoding_backend)."""
+    native_tools: bool = True
+    """False: the gateway does tool calling over plain messages."""
     lora_adapters: dict[str, str] = {}
+    """LoRA adapters the upstream serves: the name clients use -> the upstream's model name for it (vLLM's
+    --lora-modules name), so a migration keeps the clients' names."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -53,10 +53,13 @@ _VALIDATION_PREFIX = "Input validation error: "
 
 
 class TgiSettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`type = "tgi"`: a Text Generation Inference server."""
+
     type: str = "tgi"
-    # LoRA adapters the upstream was started with (LORA_ADAPTERS): the name clients use -> TGI's adapter_id.
-    # TGI itself runs an unknown adapter_id on the base model, silently; the gateway refuses it instead.
+    """Selects this backend type."""
     lora_adapters: dict[str, str] = {}
+    """LoRA adapters the upstream was started with (LORA_ADAPTERS): the name clients use -> TGI's adapter_id.
+    TGI itself runs an unknown adapter_id on the base model, silently; the gateway refuses it instead."""
 
 
 class TgiBackend:

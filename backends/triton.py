@@ -44,14 +44,25 @@ from backends.upstream_text import UpstreamText
 
 
 class TritonSettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`type = "triton"`: Triton Inference Server's generate extension, for TensorRT-LLM models."""
+
     type: str = "triton"
-    model: str = "ensemble"  # the Triton model name
+    """Selects this backend type."""
+    model: str = "ensemble"
+    """The Triton model name."""
     dialect: Literal["ensemble", "llmapi"] = "ensemble"
+    """The model's input names: "ensemble" (the ensemble / tensorrt_llm_bls models: `text_input`, `max_tokens`,
+    `stop_words`, ...) or "llmapi" (the LLM-API model: `sampling_param_*`, `streaming`)."""
     model_version: str | None = None
+    """A version of the Triton model (`/v2/models/<model>/versions/<version>`); None: Triton's choice."""
     max_model_len: int | None = None
-    chat_template: str | None = None  # Triton applies none; the gateway renders this one for chat
+    """Context length; None: unknown (the model's max_total_tokens, else 4096, bounds requests)."""
+    chat_template: str | None = None
+    """Triton applies none; the gateway renders this one for chat."""
     end_id: int | None = None
+    """The end-of-sequence token id sent as `end_id` (ensemble dialect); None: the model's own."""
     pad_id: int | None = None
+    """The padding token id sent as `pad_id` (ensemble dialect); None: the model's own."""
 
 
 class TritonBackend:

@@ -54,7 +54,8 @@ def _migration_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `llmgw` parser. `bench` is only listed here: main() hands the rest of its line to llmgw_bench's."""
     parser = argparse.ArgumentParser(prog="llmgw", description="LLM serving gateway (TGI and OpenAI protocols)")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the models in a config file")
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     add_rollout_parsers(sub)
     # listed for --help; its own parser reads the rest of the line
     sub.add_parser("bench", help="TTFT and tokens/s of any TGI or OpenAI endpoint; `bench compare A.json B.json`")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         from llmgw_bench.cli import main as bench_main

@@ -24,7 +24,7 @@ from llmgw_bench.resources import ResourceSampler
 from llmgw_bench.runner import LoadSpec, Target, run_load
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmgw bench", description="TTFT, TPOT, ITL and tokens/s of a TGI or "
                                      "OpenAI-compatible endpoint. `llmgw bench compare A.json B.json` sets two "
                                      "results side by side.")
@@ -139,7 +139,7 @@ def _loads(args: argparse.Namespace) -> list[LoadSpec]:
 
 
 def bench(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.url = args.url.rstrip("/")
     console = Console(stderr=True)
     headers = _headers(args)
@@ -192,14 +192,18 @@ def bench(argv: list[str]) -> int:
     return 0 if all(run["summary"]["completed"] for run in runs) else 1
 
 
+def build_compare_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmgw bench compare", description="two results side by side")
+    parser.add_argument("baseline", type=Path)
+    parser.add_argument("candidate", type=Path)
+    parser.add_argument("--plots-dir", type=Path, default=None, help="default: <candidate stem>-vs-<baseline>")
+    parser.add_argument("--no-plots", action="store_true")
+    return parser
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "compare":
-        parser = argparse.ArgumentParser(prog="llmgw bench compare", description="two results side by side")
-        parser.add_argument("baseline", type=Path)
-        parser.add_argument("candidate", type=Path)
-        parser.add_argument("--plots-dir", type=Path, default=None, help="default: <candidate stem>-vs-<baseline>")
-        parser.add_argument("--no-plots", action="store_true")
-        args = parser.parse_args(argv[1:])
+        args = build_compare_parser().parse_args(argv[1:])
         return compare(args.baseline, args.candidate, plots_dir=None if args.no_plots else (
             args.plots_dir or args.candidate.with_name(f"{args.candidate.stem}-vs-{args.baseline.stem}")))
     return bench(argv)

@@ -13,35 +13,60 @@ import msgspec
 
 BalancePolicy = Literal["round_robin", "least_load", "prefix"]
 # uncached prompt tokens from which prefill goes to a prefill replica, for engine workers and vLLM pools alike;
-# BENCHMARKS.md "Prefill/decode disaggregation" says where this comes from
+# docs/benchmarks.md "Prefill/decode disaggregation" says where this comes from
 PD_THRESHOLD_TOKENS = 128
 
 
 class PoolFields(msgspec.Struct, frozen=True, kw_only=True):
-    endpoints: list[str] = []  # replicas' base URLs; or base_url with discovery = "dns"
+    """Pool keys of every HTTP backend type: replicas, discovery, balancing, scraping, prefill/decode."""
+
+    endpoints: list[str] = []
+    """Replicas' base URLs; or base_url with discovery = "dns"."""
     discovery: Literal["static", "dns"] = "static"
-    dns_interval: float = 10.0  # seconds between re-resolutions of base_url's host
+    """Where the replicas come from: "static", `endpoints` (or the one `base_url`); "dns", every A/AAAA record
+    of base_url's host, re-resolved every dns_interval seconds."""
+    dns_interval: float = 10.0
+    """Seconds between re-resolutions of base_url's host."""
     balance: BalancePolicy = "prefix"
-    # load imbalance gate of the prefix policy (SGLang router's rule: both must hold to ignore affinity)
-    balance_abs_threshold: float = 8.0  # max load - min load over this...
-    balance_rel_threshold: float = 1.5  # ...and max load over this many times min load
-    cache_threshold: float = 0.3  # matched share of the prompt's blocks that counts as a prefix hit
-    prefix_block_tokens: int = 16  # block size of the prefix index (as vLLM's default block size)...
-    prefix_block_chars: int = 64  # ...or, for text the gateway did not tokenize, characters per block
-    prefix_max_blocks: int = 256  # blocks hashed per prompt at most (llm-d's maxPrefixBlocksToMatch)
-    prefix_capacity: int = 31250  # blocks remembered per replica, least recently used evicted first
-    scrape_interval: float = 1.0  # seconds between /metrics scrapes of each replica; 0: no scraping
+    """Which replica gets a request (backends/pool/balance.py): "prefix" (prompt-prefix affinity, unless the
+    load is imbalanced), "least_load" or "round_robin"."""
+    balance_abs_threshold: float = 8.0
+    """Load imbalance gate of the prefix policy (SGLang router's rule: both must hold to ignore affinity): max
+    load - min load over this..."""
+    balance_rel_threshold: float = 1.5
+    """...and max load over this many times min load."""
+    cache_threshold: float = 0.3
+    """Matched share of the prompt's blocks that counts as a prefix hit."""
+    prefix_block_tokens: int = 16
+    """Block size of the prefix index, in tokens (as vLLM's default block size)..."""
+    prefix_block_chars: int = 64
+    """...or, for text the gateway did not tokenize, characters per block."""
+    prefix_max_blocks: int = 256
+    """Blocks hashed per prompt at most (llm-d's maxPrefixBlocksToMatch)."""
+    prefix_capacity: int = 31250
+    """Blocks remembered per replica, least recently used evicted first."""
+    scrape_interval: float = 1.0
+    """Seconds between /metrics scrapes of each replica; 0: no scraping."""
     scrape_path: str = "/metrics"
-    metrics_port: int | None = None  # scrape another port than the replica's (Triton serves metrics on 8002)
-    stale_after: float | None = None  # scraped figures older than this are ignored; default 3 scrape intervals
-    eject_after_failures: int = 3  # consecutive failures that take one replica out...
-    eject_cooldown: float = 30.0  # ...for this many seconds
-    # prefill/decode disaggregation (backends/pool/disaggregated.py): two pools instead of `base_url`/`endpoints`,
-    # each a list of URLs (with discovery = "dns", every address of each URL's host is a replica of that role)
+    """The path scraped on each replica for its load (waiting, running, KV usage)."""
+    metrics_port: int | None = None
+    """Scrape another port than the replica's (Triton serves metrics on 8002); None: the replica's port."""
+    stale_after: float | None = None
+    """Scraped figures older than this many seconds are ignored; default: 3 scrape intervals."""
+    eject_after_failures: int = 3
+    """Consecutive failures that take one replica out (for eject_cooldown seconds)."""
+    eject_cooldown: float = 30.0
+    """Seconds a replica stays out after eject_after_failures consecutive failures."""
     prefill_endpoints: list[str] = []
+    """Prefill/decode disaggregation (backends/pool/disaggregated.py): the prefill pool's URLs, instead of
+    `base_url`/`endpoints` (with discovery = "dns", every address of each URL's host is a prefill replica)."""
     decode_endpoints: list[str] = []
-    pd_threshold_tokens: int = PD_THRESHOLD_TOKENS  # uncached prompt tokens from which prefill goes remote
-    prefill_timeout: float = 60.0  # seconds for the prefill leg before the decode replica prefills itself
+    """Prefill/decode disaggregation: the decode pool's URLs (with discovery = "dns", every address of each URL's
+    host is a decode replica)."""
+    pd_threshold_tokens: int = PD_THRESHOLD_TOKENS
+    """Uncached prompt tokens from which prefill goes to a prefill replica."""
+    prefill_timeout: float = 60.0
+    """Seconds for the prefill leg before the decode replica prefills itself."""
 
     @property
     def is_pool(self) -> bool:

@@ -9,24 +9,33 @@ METHODS = ("ngram", "suffix", "draft_model")
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: str  # "ngram" (prompt lookup), "suffix" (an index over recent requests), "draft_model"
-    num_speculative_tokens: int = 5  # most drafts verified a step (vLLM requires it; 5 as its n-gram example)
-    # n-gram: the longest suffix n-gram in [min, max] that occurred earlier; vLLM: both 5 when neither is set,
-    # one mirrors the other when only one is
+    """Speculative decoding: a proposer drafts tokens, one verify pass of the model accepts a prefix of them."""
+
+    method: str
+    """The proposer: "ngram" (prompt lookup), "suffix" (an index over recent requests) or "draft_model"."""
+    num_speculative_tokens: int = 5
+    """Most drafts verified a step, 1-32 (vLLM requires it; 5 as its n-gram example)."""
     prompt_lookup_min: int | None = None
+    """ngram: the shortest n-gram matched; the drafts follow the longest suffix n-gram in [min, max] that occurred
+    earlier. vLLM's defaults: both 5 when neither is set, one mirrors the other when only one is."""
     prompt_lookup_max: int | None = None
-    model: str | None = None  # draft_model: a smaller model with the same tokenizer, run by this engine
-    # speculate only while fewer requests than this are running: a busy step is compute-bound, and drafts
-    # there cost what they save (vLLM #19254). None: always
+    """ngram: the longest n-gram matched (defaults as for prompt_lookup_min)."""
+    model: str | None = None
+    """draft_model: a smaller model with the same tokenizer, run by this engine."""
     disable_by_batch_size: int | None = 8
-    # acceptance-aware: a request whose recent verify passes accepted fewer drafts than this on average (an
-    # exponential average) stops drafting, and tries again after a back-off that doubles each time. A pass
-    # of 1 + 5 rows costs ~1.9x a 1-row step on a 2-core CPU (BENCHMARKS.md), so it must yield ~1.9 tokens
+    """Speculate only while fewer requests than this are running: a busy step is compute-bound, and drafts there
+    cost what they save (vLLM #19254). None: always."""
     min_accepted_tokens: float = 1.0
-    # suffix: SuffixDecoding's knobs with vLLM's defaults
+    """Acceptance-aware: a request whose recent verify passes accepted fewer drafts than this on average (an
+    exponential average) stops drafting, and tries again after a back-off that doubles each time. A pass of
+    1 + 5 rows costs ~1.9x a 1-row step on a 2-core CPU (docs/benchmarks.md), so it must yield ~1.9 tokens."""
     suffix_max_tree_depth: int = 24
+    """suffix: the longest match extended backwards, in tokens (SuffixDecoding's knob, vLLM's default)."""
     suffix_max_cached_requests: int = 10000
+    """suffix: finished requests kept in the index (SuffixDecoding's knob, vLLM's default)."""
     suffix_min_token_prob: float = 0.1
+    """suffix: drafting stops where the path's estimated probability drops below this (SuffixDecoding's knob,
+    vLLM's default)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -11,33 +11,56 @@ class Gates(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     """Each gate compares the candidate with the baseline over the same window; None turns a gate off.
     Ratios and differences are candidate against baseline; rates are 0-1."""
 
-    ttft_p95_ratio: float | None = 1.2  # candidate TTFT p95 / baseline TTFT p95, at most
-    tpot_p50_ratio: float | None = 1.2  # candidate TPOT p50 / baseline TPOT p50, at most
-    error_rate_increase: float | None = 0.02  # candidate error rate - baseline's, at most (all classes)
-    min_agreement: float | None = 0.8  # exact-match rate of greedy mirrored answers, at least
-    min_topk_containment: float | None = 1.0  # at the first divergence, each token in the other's top-k, at least
-    tool_call_validity_drop: float | None = 0.02  # baseline valid-call rate - candidate's, at most
-    structured_validity_drop: float | None = 0.0  # baseline valid-JSON rate - candidate's, at most
-    prompt_token_mismatch: float | None = 0.0  # share of mirrored requests whose prompt_tokens differ, at most
-    off: list[str] = []  # gates turned off by name (TOML has no null), e.g. ["tpot_p50_ratio"]
+    ttft_p95_ratio: float | None = 1.2
+    """Candidate TTFT p95 / baseline TTFT p95, at most."""
+    tpot_p50_ratio: float | None = 1.2
+    """Candidate TPOT p50 / baseline TPOT p50, at most."""
+    error_rate_increase: float | None = 0.02
+    """Candidate error rate - baseline's, at most (all classes)."""
+    min_agreement: float | None = 0.8
+    """Exact-match rate of greedy mirrored answers, at least."""
+    min_topk_containment: float | None = 1.0
+    """At the first divergence, each token in the other's top-k, at least."""
+    tool_call_validity_drop: float | None = 0.02
+    """Baseline valid-call rate - candidate's, at most."""
+    structured_validity_drop: float | None = 0.0
+    """Baseline valid-JSON rate - candidate's, at most."""
+    prompt_token_mismatch: float | None = 0.0
+    """Share of mirrored requests whose prompt_tokens differ, at most."""
+    off: list[str] = []
+    """Gates turned off by name (TOML has no null), e.g. ["tpot_p50_ratio"]."""
 
     def on(self, name: str) -> bool:
         return getattr(self, name) is not None and name not in self.off
 
 
 class RolloutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    candidate: str  # the backend the model moves to
-    steps: list[float] = msgspec.field(default_factory=lambda: list(DEFAULT_STEPS))  # candidate's %, rising
-    step_min_seconds: float = 60.0  # each step is held at least this long...
-    step_min_requests: int = 50  # ...and until the candidate served this many live requests in it
-    step_max_seconds: float = 1800.0  # still inconclusive after this long: pause for a human
-    shadow_seconds: float = 0.0  # mirror to the candidate this long before the first live step (0: no shadow)
-    shadow_min_requests: int = 20  # mirrored pairs needed to leave the shadow phase
-    mirror_sample: float = 0.2  # share of baseline-served requests mirrored during live steps (agreement)
-    alpha: float = 0.05  # false-alarm budget of a whole step, however often it is looked at
-    min_samples: int = 8  # a gate says nothing on fewer samples per side
-    analysis_interval: float = 5.0  # seconds between looks
+    """A staged move of a model from its backend to a candidate, step by step, held back by gates."""
+
+    candidate: str
+    """The backend the model moves to."""
+    steps: list[float] = msgspec.field(default_factory=lambda: list(DEFAULT_STEPS))
+    """The candidate's share of live traffic at each step, in percent, rising; the last is 100 (the promotion)."""
+    step_min_seconds: float = 60.0
+    """Each step is held at least this many seconds (and until step_min_requests)."""
+    step_min_requests: int = 50
+    """Each step is held until the candidate served this many live requests in it (and step_min_seconds)."""
+    step_max_seconds: float = 1800.0
+    """Still inconclusive after this many seconds: pause for a human."""
+    shadow_seconds: float = 0.0
+    """Mirror to the candidate this many seconds before the first live step (0: no shadow phase)."""
+    shadow_min_requests: int = 20
+    """Mirrored pairs needed to leave the shadow phase."""
+    mirror_sample: float = 0.2
+    """Share of baseline-served requests mirrored during live steps (for agreement), 0-1."""
+    alpha: float = 0.05
+    """False-alarm budget of a whole step, however often it is looked at."""
+    min_samples: int = 8
+    """A gate says nothing on fewer samples per side."""
+    analysis_interval: float = 5.0
+    """Seconds between looks at the gates."""
     gates: Gates = Gates()
+    """`[models.<name>.rollout.gates]`: the thresholds the candidate must meet at each step."""
 
     def problems(self) -> list[str]:
         """What is wrong with it, in words a 400 can carry (empty: nothing)."""
