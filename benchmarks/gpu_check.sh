@@ -2,7 +2,7 @@
 # One prepared GPU check, for the `device` machine (under 8 minutes): the Triton kernel tests on the
 # GPU, the paged-decode kernel's GB/s against a device-to-device copy, and the engine's end-to-end
 # throughput with and without CUDA graphs. The timeouts add up to under 8 minutes. Prints short
-# tables; record them in BENCHMARKS.md.
+# tables; record them in docs/benchmarks.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

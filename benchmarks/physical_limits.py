@@ -1,4 +1,4 @@
-"""The physical limits of a decode step on this machine, for BENCHMARKS.md: the time to stream the model's
+"""The physical limits of a decode step on this machine, for docs/benchmarks.md: the time to stream the model's
 weights once at the measured memory bandwidth (what batch-1 decode is bound by), and the step's matmul
 FLOPs at the measured matmul rate (what big batches are bound by), next to the engine's measured step.
 

@@ -35,7 +35,7 @@ class AsyncEngine:
         `ready()`), so the torch ops of loading and of stepping share one thread and one OpenMP pool. Each
         thread that runs parallel torch ops gets a pool of its own, and with more pooled threads than cores
         libgomp stops spinning at barriers: built in another thread, served batch-16 decode steps on 2
-        cores took 54 ms instead of 37 (BENCHMARKS.md, issue 17)."""
+        cores took 54 ms instead of 37 (docs/benchmarks.md, issue 17)."""
         self._built: concurrent.futures.Future[None] = concurrent.futures.Future()
         if isinstance(engine, LLMEngine):
             self.engine = engine

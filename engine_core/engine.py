@@ -66,7 +66,7 @@ def select_attention(config: EngineConfig, device: torch.device) -> AttentionBac
         return TritonAttention()
     # the compiled kernel for every dtype: it reads the blocks in place, where the reference gathers and
     # pads them: one layer's decode, batch 1-128, was 3.7-10x faster in fp32 and 6-38x in bf16, with the
-    # AVX2 build as with the AVX-512 one (benchmarks/attention_paths.py, BENCHMARKS.md)
+    # AVX2 build as with the AVX-512 one (benchmarks/attention_paths.py, docs/benchmarks.md)
     if config.attention_backend == "auto":
         kernel = paged_decode_kernel()
         if kernel is not None:

@@ -78,7 +78,7 @@ def test_amx_is_read_from_the_flags_and_follows_the_isa_cap() -> None:
 
 
 def test_an_amx_cpu_runs_the_engine_matmuls_on_onednn(smollm_dir: Path, kernels) -> None:  # type: ignore[no-untyped-def]
-    """oneDNN's AMX GEMM beats linear_bf16's at prefill sizes there (BENCHMARKS.md): the engine packs for it."""
+    """oneDNN's AMX GEMM beats linear_bf16's at prefill sizes there (docs/benchmarks.md): the engine packs for it."""
     from engine_core import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(smollm_dir), dtype="bfloat16", quantization="none", num_blocks=16,

@@ -3,7 +3,7 @@ call per layer for every row of the step, prefill or decode.
 
 The torch reference gathers every decoding sequence's blocks into a padded [B, Hkv, L, D] copy, then
 transposes (another copy) for its matmuls: at batch 128 that was about 60% of a decode step (profile
-in BENCHMARKS.md), and it runs each prefill chunk as its own SDPA call. The compiled kernel
+in docs/benchmarks.md), and it runs each prefill chunk as its own SDPA call. The compiled kernel
 (`engine_core/cpu/csrc/paged_decode.cpp`, built by `engine_core.cpu.kernels`) walks a block table in place,
 scores and softmax in fp32, one query per row. A prefill token is such a row too: once this step's keys
 and values are in the cache, causal attention for the token at position p is attention over the first
