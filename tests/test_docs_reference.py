@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_hook() -> ModuleType:
-    """docs/hooks/ is not a package: load the hook from its path, as MkDocs does."""
+    """docs/hooks/ is not a package: load the hook from its path, as MkDocs does (it puts its reference_pages
+    package on the path)."""
     name = "llmgw_docs_reference"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / "reference.py")
@@ -33,6 +34,8 @@ def _load_hook() -> ModuleType:
 
 
 ref = _load_hook()
+cli_page_module = importlib.import_module("reference_pages.cli_page")
+metrics_page_module = importlib.import_module("reference_pages.metrics_page")
 
 
 @pytest.fixture(scope="module")
@@ -172,13 +175,13 @@ def _parsers() -> list[argparse.ArgumentParser]:
     from llmgw_bench.cli import build_parser as build_bench_parser
 
     top = build_parser()
-    return [top, *(sub for _, sub, _ in ref.subcommands(top)), build_bench_parser(), build_compare_parser()]
+    return [top, *(sub for _, sub, _ in cli_page_module.subcommands(top)), build_bench_parser(), build_compare_parser()]
 
 
 def test_cli_reference_names_every_subcommand_and_option(cli_page: str) -> None:
     from gateway.cli import build_parser
 
-    names = [name for name, _, _ in ref.subcommands(build_parser())]
+    names = [name for name, _, _ in cli_page_module.subcommands(build_parser())]
     assert {"serve", "check-config", "migration-report", "state", "keys", "rollout", "bench"} <= set(names)
     for name in [*names, "bench compare"]:
         assert f"## `llmgw {name}`" in cli_page, name
@@ -208,7 +211,7 @@ def test_metrics_reference_names_every_metric_of_the_registry(metrics_page: str)
     from gateway.state import Gateway
 
     with tempfile.TemporaryDirectory() as directory:
-        gateway = Gateway(parse_config(ref.DOCS_CONFIG.format(directory=directory)), backends={})
+        gateway = Gateway(parse_config(metrics_page_module.DOCS_CONFIG.format(directory=directory)), backends={})
         families = list(gateway.metrics.registry.collect())
         tgi = list(text_string_to_metric_families(gateway.metrics.tgi.render().decode()))
     assert len(families) > 50
