@@ -48,6 +48,7 @@ NOT_RUN = {
     "tritonserver": "Triton needs its own image; the triton backend is tested against its generate extension",
     "docker": "no Docker daemon here; tests/test_image.py runs the image the same way with podman",
     "podman": "tests/test_image.py builds and runs the image with podman, --read-only, as shown",
+    "helm": "no cluster here; tests/test_helm_chart.py renders the chart with Helm's own library, values as shown",
 }
 
 
@@ -237,6 +238,18 @@ def test_benchmark_headline_commands_are_real(tmp_path: Path) -> None:
         command = re.findall(r"`([^`]*benchmarks/[^`]*)`", row)[-1]
         for part in command.split("; "):
             check_command(part, tmp_path)
+
+
+@pytest.mark.parametrize("block", [b for b in blocks_of("yaml") if b.text.startswith("# values")],
+                         ids=lambda b: b.id)
+def test_helm_values_snippet_renders_a_config_that_passes_check_config(block: Block, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.test_helm_chart import config_toml, render
+
+    path = tmp_path / "config.toml"
+    path.write_text(config_toml(render(yaml.safe_load(block.text))))
+    assert cli_main(["check-config", str(path)]) == 0
+    assert "model llama" in capsys.readouterr().out
 
 
 def test_yaml_and_json_snippets_parse() -> None:
