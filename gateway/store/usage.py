@@ -62,10 +62,16 @@ class UsageWriter:
             backoff = self.interval if await self.flush() else min(MAX_BACKOFF, backoff * 2)
 
     async def flush(self) -> bool:
-        """Write everything buffered; False (rows kept) when the database failed."""
+        """Write the rows buffered when it was called; False (rows kept) when the database failed.
+
+        Rows that arrive while it writes wait for the next flush: chasing them turned a steady stream of requests
+        into a write of a few rows per database round trip, whose per-batch cost (a transaction, a pooled
+        connection) the event loop paid for every few requests."""
         async with self._lock:
-            while self.buffer:
-                rows = [self.buffer.popleft() for _ in range(min(self.batch, len(self.buffer)))]
+            pending = len(self.buffer)
+            while pending > 0 and self.buffer:
+                rows = [self.buffer.popleft() for _ in range(min(self.batch, pending, len(self.buffer)))]
+                pending -= len(rows)
                 try:
                     if self.sqlite_file is not None:
                         self._write_sqlite(rows)
@@ -113,7 +119,8 @@ class UsageWriter:
     async def aclose(self, timeout: float = 5.0) -> None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                await self.flush()
+                while self.buffer and await self.flush():
+                    pass
         if self.buffer:
             log.error("usage records: %d rows could not be written before shutdown", len(self.buffer))
 
