@@ -319,7 +319,7 @@ def missing_doc_strings(root: type | None = None) -> list[str]:
 
 def config_reference() -> str:
     lines = ["# Configuration reference", "",
-             "Generated from the config types, so it cannot drift from the code: `gateway/config.py` "
+             "Generated from the config types, so it cannot drift from the code: `gateway/config_tables.py` "
              "(`GatewayConfig` and its tables), `gateway/rollout/spec.py` (rollouts), each backend type's `Settings` "
              "(`backends/engine.py`, `backends/http.py`, `backends/pool/settings.py`, `backends/openai.py`, "
              "`backends/tgi.py`, `backends/triton.py`, through `backends/registry.py`) and "
