@@ -101,7 +101,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         database = self.state.resolved_database()
         scheme, _, rest = database.partition("://")
         where = f"{scheme}://{rest.rpartition('@')[2]}"  # no credentials
-        limits = ("shared by every replica through Redis" if self.state.resolved_redis() else
+        lease = (f", per-minute limits leased {self.state.lease_fraction:.0%} at a time"
+                 if self.state.lease_fraction else "")
+        limits = (f"shared by every replica through Redis{lease}" if self.state.resolved_redis() else
                   "per replica (no [state] redis: each replica admits the full limit)")
         usage = "usage rows on" if self.state.record_usage else "usage rows off"
         return f"  keys: {keys} + stored keys in {where}; {usage}; rate limits and budgets {limits}"
@@ -237,6 +239,8 @@ def _check_state(state: StateConfig) -> StateConfig:
     for key in ("usage_buffer_rows", "usage_batch_rows"):
         if getattr(state, key) < 1:
             raise ConfigError(f"state.{key}: must be >= 1, got {getattr(state, key)}")
+    if not 0 <= state.lease_fraction <= 0.5:
+        raise ConfigError(f"state.lease_fraction: must be between 0 and 0.5, got {state.lease_fraction:g}")
     return state
 
 

@@ -181,6 +181,10 @@ class StateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     """Or the environment variable holding the Redis URL."""
     fail_open: bool = True
     """Redis unreachable: serve without shared limits (true) or answer 503 (false)."""
+    lease_fraction: float = 0.01
+    """With redis: each replica takes this share of a key's requests- and tokens-per-minute limits from Redis
+    at a time and admits from it in memory (at most this much over the limit per replica); 0: every request
+    asks Redis. Keys with a day or month budget, or limits too small for a lease of 10 requests, always ask."""
     auto_migrate: bool = True
     """Upgrade the schema at start (false: `llmgw state migrate` must have run)."""
     key_refresh_interval: float = 2.0

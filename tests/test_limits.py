@@ -230,3 +230,68 @@ return out
     client.close()
     want = [(datetime(1970, 1, 1, tzinfo=UTC) + timedelta(seconds=s)).strftime("%Y%m%d") for s in stamps]
     assert got == want
+
+
+async def test_leased_per_minute_limits_admit_no_more_than_the_limit_across_replicas(redis_url: str) -> None:
+    """Busy keys admit from a share taken out of Redis: two replicas together still stop at the limit."""
+    a, b = RedisLimiter(redis_url, timeout=5), RedisLimiter(redis_url, timeout=5)  # 1% leases
+    limits = KeyLimits(key(), rpm=2000)  # leases of 20 requests
+    admitted, refused = await outcomes([(a if i % 3 else b).admit(limits, 10) for i in range(2100)])
+    assert 1980 <= len(admitted) <= 2000 + 2  # at most the limit (plus what refills while the test runs)
+    assert all(r.enforced and r.lease is not None for r in admitted)
+    assert refused[0].what == "requests per minute" and refused[0].retry_after > 0
+    probe = redis.Redis.from_url(redis_url)
+    level = float(probe.hget(f"llmgw:{{{limits.key}}}:rpm", "l"))
+    await a.aclose()  # what a replica still holds goes back to the bucket
+    await b.aclose()
+    assert float(probe.hget(f"llmgw:{{{limits.key}}}:rpm", "l")) >= level
+    probe.close()
+
+
+async def test_leased_tokens_are_refunded_and_returned_to_the_shared_bucket(redis_url: str) -> None:
+    a, b = RedisLimiter(redis_url, timeout=5), RedisLimiter(redis_url, timeout=5)
+    limits = KeyLimits(key(), tpm=100_000)  # leases of 1000 tokens
+    first = await a.admit(limits, 300)
+    assert first.lease is not None and first.lease.tokens == 700
+    await a.settle(first, 100)  # 200 unused: back into a's share
+    assert first.lease.tokens == 900
+    second = await a.admit(limits, 900)  # from the share, no lease taken
+    assert second.lease is first.lease and first.lease.tokens == 0
+    await a.aclose()  # a held nothing more
+    # b cannot take more than the bucket has: 100k - 1000 (a's lease) + 200 unused, about 99.2k
+    got = 0
+    while True:
+        try:
+            await b.admit(limits, 900)
+        except LimitExceeded as exc:
+            assert exc.what == "tokens per minute"
+            break
+        got += 900
+    assert 99_000 <= got <= 100_000 + 900  # the last admit may overdraw the bucket, as an exact admit does
+    await b.aclose()
+
+
+async def test_tight_limits_and_budgets_never_lease(redis_url: str) -> None:
+    limiter = RedisLimiter(redis_url, timeout=5)
+    for limits in (KeyLimits(key(), rpm=500),  # 1% is 5 requests: too small a lease
+                   KeyLimits(key(), tpm=10_000),  # 1% is 100 tokens, less than the request's 300
+                   KeyLimits(key(), rpm=100_000, tokens_per_day=10**9)):  # a budget: every request exact
+        assert (await limiter.admit(limits, 300)).lease is None
+    off = RedisLimiter(redis_url, timeout=5, lease_fraction=0)
+    assert (await off.admit(KeyLimits(key(), rpm=100_000), 1)).lease is None
+    await limiter.aclose()
+    await off.aclose()
+
+
+async def test_a_lease_request_while_redis_is_down_fails_open_or_closed(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        lenient, strict = RedisLimiter(server.url, timeout=2), RedisLimiter(server.url, fail_open=False, timeout=2)
+        limits = KeyLimits(key(), rpm=10_000)
+        server.stop()
+        assert not (await lenient.admit(limits, 1)).enforced and lenient.status()["unenforced"] == 1
+        with pytest.raises(LimiterUnavailable):
+            await strict.admit(limits, 1)
+        server.start()
+        assert (await strict.admit(limits, 1)).lease is not None
+        await lenient.aclose()
+        await strict.aclose()

@@ -26,7 +26,8 @@ class Accounts:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         state = config.state
-        self.quota = Quota(make_limiter(state.resolved_redis() if state else None, state.fail_open if state else True))
+        self.quota = Quota(make_limiter(state.resolved_redis(), state.fail_open, lease_fraction=state.lease_fraction)
+                           if state is not None else make_limiter(None))
         self.store = StateStore(state, self.quota.limiter, self._stored_keys) if state is not None else None
         self.keys = KeyRing(config, None, store_enabled=self.store is not None)
         self.responses: MemoryResponses | PersistedResponses = (

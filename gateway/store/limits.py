@@ -15,7 +15,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gateway.store.limit_leases import Lease
 
 RPM, TPM, PER_DAY, PER_MONTH = "requests per minute", "tokens per minute", "tokens per day", "tokens per month"
 
@@ -42,6 +45,7 @@ class Reservation:
     month: str  # "202612"
     enforced: bool = True  # False: the shared store was unreachable and fail_open let it through
     settled: bool = False
+    lease: Lease | None = None  # admitted from this replica's share of the per-minute buckets (limit_leases.py)
 
 
 class LimitExceeded(Exception):
@@ -184,9 +188,11 @@ class LocalLimiter:
         pass
 
 
-def make_limiter(redis_url: str | None, fail_open: bool = True, reservation_ttl: float = 600.0) -> Limiter:
+def make_limiter(redis_url: str | None, fail_open: bool = True, reservation_ttl: float = 600.0,
+                 lease_fraction: float = 0.01) -> Limiter:
     if not redis_url:
         return LocalLimiter(reservation_ttl)
     from gateway.store.redis_limits import RedisLimiter
 
-    return RedisLimiter(redis_url, fail_open=fail_open, reservation_ttl=reservation_ttl)
+    return RedisLimiter(redis_url, fail_open=fail_open, reservation_ttl=reservation_ttl,
+                        lease_fraction=lease_fraction)

@@ -11,16 +11,18 @@ Unreachable or slow Redis: fail_open admits unenforced (counted in status()), el
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
+from gateway.store.limit_leases import Lease, lease_sizes
 from gateway.store.limits import (
     PER_DAY,
     PER_MONTH,
@@ -146,6 +148,35 @@ if tpm then put_bucket(base .. ':tpm', tpm, math.min(tpm, bucket(base .. ':tpm',
 return 1
 """
 
+# KEYS[1] base; ARGV rpm, tpm ('' = none), requests wanted, tokens wanted, tokens this request needs
+# -> {1, requests granted, tokens granted} or {0, refusing limit (1 rpm, 2 tpm), retry ms}
+LEASE_LUA = COMMON_LUA + """
+local base, rpm, tpm = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
+local want_r, want_t, need_t = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local rl, tl
+if rpm and want_r > 0 then
+  rl = bucket(base .. ':rpm', rpm)
+  if rl < 1 then return {0, 1, math.ceil((1 - rl) * 60000 / math.max(rpm, 1))} end
+end
+if tpm and want_t > 0 then
+  tl = bucket(base .. ':tpm', tpm)
+  if tl < 1 then return {0, 2, math.ceil((1 - tl) * 60000 / math.max(tpm, 1))} end
+end
+local gr, gt = 0, 0
+if rl then gr = math.min(want_r, math.floor(rl)); put_bucket(base .. ':rpm', rpm, rl - gr) end
+-- the tokens bucket may be overdrawn by the request at hand, as an admit does, never by the rest of a lease
+if tl then gt = math.max(need_t, math.min(want_t, math.floor(tl))); put_bucket(base .. ':tpm', tpm, tl - gt) end
+return {1, gr, gt}
+"""
+
+# KEYS[1] base; ARGV rpm, tpm ('' = none), requests back, tokens back: a lease's rest, back in the buckets
+RETURN_LUA = COMMON_LUA + """
+local base, rpm, tpm, r, t = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if rpm and r > 0 then put_bucket(base .. ':rpm', rpm, math.min(rpm, bucket(base .. ':rpm', rpm) + r)) end
+if tpm and t > 0 then put_bucket(base .. ':tpm', tpm, math.min(tpm, bucket(base .. ':tpm', tpm) + t)) end
+return 1
+"""
+
 WHAT = {1: RPM, 2: TPM, 3: PER_DAY, 4: PER_MONTH}
 SETTLE_DELAY = 0.02  # settles wait this long to share a pipeline (a budget's reservation lasts that much longer)
 
@@ -158,15 +189,21 @@ class RedisLimiter:
     shared = True
 
     def __init__(self, url: str, fail_open: bool = True, reservation_ttl: float = 600.0, timeout: float = 0.5,
-                 prefix: str = "llmgw") -> None:
+                 prefix: str = "llmgw", lease_fraction: float = 0.01) -> None:
         self.fail_open, self.reservation_ttl, self.timeout, self.prefix = fail_open, reservation_ttl, timeout, prefix
+        self.lease_fraction = lease_fraction
+        self._leases: dict[str, Lease] = {}  # by key name: this replica's shares of per-minute buckets
+        self._leasing: dict[str, asyncio.Lock] = {}  # one lease request per key at a time
+        self._returning: set[asyncio.Task[None]] = set()
         # one retry on a fresh connection (a pooled one broken by a Redis restart), no backoff: fail fast
         self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                               retry=Retry(NoBackoff(), 1))
         self._admits = ScriptBatcher(self._redis, timeout)
         self._settles = ScriptBatcher(self._redis, timeout, delay=SETTLE_DELAY)  # nobody waits on these
         self._admit = self._admits.register(ADMIT_LUA)
+        self._lease = self._admits.register(LEASE_LUA)
         self._settle = self._settles.register(SETTLE_LUA)
+        self._return = self._settles.register(RETURN_LUA)
         self._available, self._errors, self._unenforced, self._expired = True, 0, 0, 0
 
     def _base(self, key: str) -> str:
@@ -188,26 +225,88 @@ class RedisLimiter:
         if not limits.limited:  # nothing to count: no round trip
             day, month, _, _ = periods(time.time())
             return Reservation(limits, amount, rid, day, month)
+        sizes = lease_sizes(limits, amount, self.lease_fraction)
+        if sizes is not None:
+            return await self._admit_leased(limits, amount, count_request, rid, sizes)
         args = [rid, str(amount), "1" if count_request else "0", _arg(limits.rpm), _arg(limits.tpm),
                 _arg(limits.tokens_per_day), _arg(limits.tokens_per_month), str(int(self.reservation_ttl * 1000))]
         try:
             answer = await self._run(self._admits, self._admit, [self._base(limits.key)], args)
             ok, which, retry_ms, day, month, expired = answer
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("admit", exc)
-            if not self.fail_open:
-                raise LimiterUnavailable(f"rate limiter store unreachable: {exc!r}") from exc
-            self._unenforced += 1
-            day, month, _, _ = periods(time.time())
-            return Reservation(limits, amount, rid, day, month, enforced=False)
+            return self._unreachable("admit", exc, limits, amount, rid)
         self._expired += int(expired)
         day, month = _text(day), _text(month)
         if not ok:
-            what = WHAT[int(which)]
-            limit = {RPM: limits.rpm, TPM: limits.tpm, PER_DAY: limits.tokens_per_day,
-                     PER_MONTH: limits.tokens_per_month}[what]
-            raise LimitExceeded(what, limit or 0, int(retry_ms) / 1000, limits.key)
+            raise self._exceeded(limits, int(which), int(retry_ms))
         return Reservation(limits, amount, rid, day, month)
+
+    async def _admit_leased(self, limits: KeyLimits, amount: int, count_request: bool, rid: str,
+                            sizes: tuple[int, int]) -> Reservation:
+        day, month, _, _ = periods(time.time())
+        lease = self._current_lease(limits)
+        if lease.take(amount, count_request):  # the common case: no await at all
+            return Reservation(limits, amount, rid, day, month, lease=lease)
+        lock = self._leasing.setdefault(limits.key, asyncio.Lock())
+        async with lock:  # concurrent requests of one key wait for one lease, then take from it
+            lease = self._current_lease(limits)
+            if lease.take(amount, count_request):
+                return Reservation(limits, amount, rid, day, month, lease=lease)
+            short_requests, short_tokens = lease.shortfall(amount, count_request)
+            args = [_arg(limits.rpm), _arg(limits.tpm), str(sizes[0] if short_requests else 0),
+                    str(max(sizes[1], short_tokens) if short_tokens else 0), str(short_tokens)]
+            try:
+                ok, *granted = await self._run(self._admits, self._lease, [self._base(limits.key)], args)
+            except (RedisError, OSError, TimeoutError) as exc:
+                return self._unreachable("lease", exc, limits, amount, rid)
+            if not ok:
+                raise self._exceeded(limits, int(granted[0]), int(granted[1]))
+            lease.requests += int(granted[0])
+            lease.tokens += int(granted[1])
+            taken = lease.take(amount, count_request)
+            assert taken, "a lease grants at least what the request lacks"
+            return Reservation(limits, amount, rid, day, month, lease=lease)
+
+    def _current_lease(self, limits: KeyLimits) -> Lease:
+        """This key's lease, a fresh one when the last is a second old or its limits changed."""
+        now = time.monotonic()
+        lease = self._leases.get(limits.key)
+        if lease is None or not lease.usable(limits, now):
+            if lease is not None:
+                self._give_back(lease)
+            lease = self._leases[limits.key] = Lease(limits, now)
+        return lease
+
+    def _give_back(self, lease: Lease) -> None:
+        lease.returned = True
+        if lease.requests <= 0 and lease.tokens <= 0:
+            return
+        task = asyncio.get_running_loop().create_task(self._return_rest(lease))
+        self._returning.add(task)
+        task.add_done_callback(self._returning.discard)
+
+    async def _return_rest(self, lease: Lease) -> None:
+        limits = lease.limits
+        args = [_arg(limits.rpm), _arg(limits.tpm), str(max(0, lease.requests)), str(max(0, lease.tokens))]
+        try:
+            await self._run(self._settles, self._return, [self._base(limits.key)], args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("lease return", exc)
+
+    def _unreachable(self, what: str, exc: BaseException, limits: KeyLimits, amount: int, rid: str) -> Reservation:
+        self._failed(what, exc)
+        if not self.fail_open:
+            raise LimiterUnavailable(f"rate limiter store unreachable: {exc!r}") from exc
+        self._unenforced += 1
+        day, month, _, _ = periods(time.time())
+        return Reservation(limits, amount, rid, day, month, enforced=False)
+
+    @staticmethod
+    def _exceeded(limits: KeyLimits, which: int, retry_ms: int) -> LimitExceeded:
+        what = WHAT[which]
+        limit = {RPM: limits.rpm, TPM: limits.tpm, PER_DAY: limits.tokens_per_day,
+                 PER_MONTH: limits.tokens_per_month}[what]
+        return LimitExceeded(what, limit or 0, retry_ms / 1000, limits.key)
 
     async def settle(self, reservation: Reservation, used: int) -> None:
         """Once per reservation. An unenforced one (admitted while Redis was down) records `used` in the
@@ -218,6 +317,8 @@ class RedisLimiter:
         limits = reservation.limits
         if not (limits.tpm is not None or limits.tokens_per_day is not None or limits.tokens_per_month is not None):
             return
+        if reservation.lease is not None and reservation.lease.refund(reservation.amount - used):
+            return  # back into this replica's share; it reaches Redis with the lease's rest
         amount = reservation.amount if reservation.enforced else 0
         args = [reservation.id, str(amount), str(used), _arg(limits.tpm),
                 reservation.day if limits.tokens_per_day is not None else "",
@@ -235,6 +336,10 @@ class RedisLimiter:
                 "unenforced": self._unenforced, "expired_reservations": self._expired}
 
     async def aclose(self) -> None:
+        for lease in self._leases.values():
+            self._give_back(lease)
+        self._leases.clear()
+        await asyncio.gather(*self._returning, return_exceptions=True)
         await self._redis.aclose()
 
 
