@@ -86,7 +86,10 @@ def test_a_full_usage_buffer_drops_the_oldest_rows_and_counts_them(services: dic
             sent = [chat(url, key["key"]) for _ in range(BUFFER_ROWS + 3)]
             assert [r.status_code for r in sent] == [200] * len(sent)  # known keys keep working
             wait_until(lambda: metric(url, "llmgw_usage_rows_dropped_total") == 3, "the 3 oldest rows dropped")
-            status = httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT).json()["state_store"]["usage"]
+            health = wait_until(lambda: (r := httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT)).content and r,
+                                "/health saying the store is degraded (once a usage write or a key read failed)")
+            assert health.status_code == 200 and health.json()["status"] == "degraded"
+            status = health.json()["state_store"]["usage"]
             assert status["buffered"] == BUFFER_ROWS and status["dropped"] == 3
         finally:
             pg.start()

@@ -266,9 +266,10 @@ class TgiController(Controller):
 def _readiness(gateway: Gateway) -> Response:
     """200, or TGI's 503 body plus what is not ready: each backend's state (a starting engine names its
     step: "starting: loading weights from ... (3 s so far)") and whether the server is draining. A state
-    database that cannot be reached does not make the gateway unready; the body says so."""
+    database that cannot be read or written does not make the gateway unready; the body says so."""
     store = gateway.accounts.status()
-    degraded = store is not None and not store["available"]
+    usage = store and store["usage"]
+    degraded = store is not None and not (store["available"] and (usage is None or usage["available"]))
     if gateway.healthy():
         if degraded:  # still serving (known keys work, usage is buffered), but someone should look
             body = {"status": "degraded", "state_store": store}
