@@ -9,9 +9,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
+import aiohttp
 import msgspec
-from httpx_aiohttp import AiohttpTransport
 
 from backends.base import (
     BackendError,
@@ -24,6 +23,7 @@ from backends.base import (
 )
 from backends.pool.settings import PoolFields
 from backends.sse import SSEEvent, iter_sse
+from backends.upstream_client import ConnectError, UpstreamClient
 
 
 class HttpSettings(PoolFields, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -46,9 +46,9 @@ class HttpSettings(PoolFields, frozen=True, forbid_unknown_fields=True, kw_only=
     total_timeout: float = 600.0
     """Seconds for a whole upstream request."""
     max_connections: int = 100
-    """Connections open to the upstream at once (in a pool: to each replica)."""
+    """Connections open to the upstream at once (in a pool: to each replica); idle ones are kept for reuse."""
     max_keepalive_connections: int = 20
-    """Idle connections kept open for reuse."""
+    """Accepted for older configs; idle connections are kept up to max_connections (aiohttp's pool)."""
 
     def __post_init__(self) -> None:
         self.check_pool(self.base_url)
@@ -59,26 +59,27 @@ class HttpSettings(PoolFields, frozen=True, forbid_unknown_fields=True, kw_only=
         return self.api_key
 
 
-def make_client(settings: HttpSettings) -> httpx.AsyncClient:
-    """One pooled client per backend. httpx's API over aiohttp's connection pool (as the openai SDK
-    offers): httpcore's own pool scans every connection on every request and capped the gateway
-    near 650 requests/s here, the aiohttp transport near 3,100 (benchmarks/gateway_overhead.py)."""
-    headers = {}
+def make_client(settings: HttpSettings) -> UpstreamClient:
+    """One pooled client per backend (or replica): aiohttp's pool, used directly (upstream_client.py)."""
     key = settings.resolved_api_key()
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    limits = httpx.Limits(max_connections=settings.max_connections,
-                          max_keepalive_connections=settings.max_keepalive_connections)
-    return httpx.AsyncClient(
-        base_url=settings.base_url.rstrip("/"), headers=headers, transport=AiohttpTransport(limits=limits),
-        timeout=httpx.Timeout(settings.total_timeout, connect=settings.connect_timeout), limits=limits)
+    return UpstreamClient(settings.base_url, {"Authorization": f"Bearer {key}"} if key else {},
+                          settings.connect_timeout, settings.total_timeout, settings.max_connections)
 
 
-async def answers_ok(client: httpx.AsyncClient, path: str, settings: HttpSettings) -> bool:
+async def get_json(client: UpstreamClient, path: str) -> Any:
+    """A GET's JSON body when it answers 200 within the connect timeout, else None (an info probe)."""
+    try:
+        status, payload = await client.get_json(path)
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return payload if status == 200 else None
+
+
+async def answers_ok(client: UpstreamClient, path: str, settings: HttpSettings) -> bool:
     """A health probe: GET `path` answers 200 within the connect timeout."""
     try:
-        return (await client.get(path, timeout=settings.connect_timeout)).status_code == 200
-    except httpx.HTTPError:
+        return (await client.get_json(path))[0] == 200
+    except (aiohttp.ClientError, TimeoutError):
         return False
 
 
@@ -117,27 +118,27 @@ def error_for_status(status: int, message: str, backend: str) -> BackendError:
 
 
 @asynccontextmanager
-async def open_stream(client: httpx.AsyncClient, backend: str, path: str, body: dict[str, Any],
-                      headers: dict[str, str]) -> AsyncIterator[httpx.Response]:
+async def open_stream(client: UpstreamClient, backend: str, path: str, body: dict[str, Any],
+                      headers: dict[str, str]) -> AsyncIterator[aiohttp.ClientResponse]:
     """POST and yield the response once its status is 200; any other status becomes a typed error."""
     try:
-        async with client.stream("POST", path, content=msgspec.json.encode(body),
-                                 headers={"content-type": "application/json", **headers}) as response:
-            if response.status_code != 200:
-                raise error_for_status(response.status_code, error_message(await response.aread()), backend)
+        async with client.post(path, msgspec.json.encode(body),
+                               {"content-type": "application/json", **headers}) as response:
+            if response.status != 200:
+                raise error_for_status(response.status, error_message(await response.read()), backend)
             yield response
-    except httpx.ConnectError as exc:
+    except ConnectError as exc:
         raise BackendUnavailableError(f"{backend}: cannot connect: {exc}") from None
-    except httpx.TimeoutException as exc:
+    except TimeoutError as exc:
         raise BackendTimeoutError(f"{backend}: upstream timed out ({type(exc).__name__})") from None
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         raise UpstreamError(f"{backend}: {type(exc).__name__}: {exc}") from None
 
 
-async def timed_events(response: httpx.Response, settings: HttpSettings, backend: str,
+async def timed_events(response: aiohttp.ClientResponse, settings: HttpSettings, backend: str,
                        started: float) -> AsyncIterator[SSEEvent]:
     """The response's SSE events, failing on the first-token, idle and total timeouts."""
-    events = iter_sse(response.aiter_raw()).__aiter__()
+    events = iter_sse(response.content.iter_any()).__aiter__()
     first = True
     try:
         while True:
@@ -152,7 +153,7 @@ async def timed_events(response: httpx.Response, settings: HttpSettings, backend
                 what = "total" if left <= limit else "first-token" if first else "idle"
                 raise BackendTimeoutError(f"{backend}: upstream {what} timeout "
                                           f"({min(limit, left):.1f} s without an event)") from None
-            except httpx.HTTPError as exc:
+            except aiohttp.ClientError as exc:
                 raise UpstreamError(f"{backend}: stream broken: {type(exc).__name__}: {exc}") from None
             first = False
             yield event
@@ -170,15 +171,15 @@ async def drain(events: AsyncIterator[SSEEvent], seconds: float = 1.0) -> None:
         pass
 
 
-async def read_body(response: httpx.Response, settings: HttpSettings, backend: str) -> bytes:
+async def read_body(response: aiohttp.ClientResponse, settings: HttpSettings, backend: str) -> bytes:
     """A whole (non-streamed) body within the first-token timeout."""
     try:
         async with asyncio.timeout(settings.first_token_timeout):
-            return await response.aread()
+            return await response.read()
     except TimeoutError:
         raise BackendTimeoutError(f"{backend}: upstream first-token timeout "
                                   f"({settings.first_token_timeout:.1f} s without an answer)") from None
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         raise UpstreamError(f"{backend}: answer broken: {type(exc).__name__}: {exc}") from None
 
 

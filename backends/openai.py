@@ -14,7 +14,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Literal
 
-import httpx
 import msgspec
 
 from backends.base import (
@@ -46,6 +45,7 @@ from backends.http import (
     drain,
     drop_none,
     error_for_status,
+    get_json,
     make_client,
     open_stream,
     read_body,
@@ -119,13 +119,13 @@ class OpenAIBackend:
 
     async def start(self) -> None:
         if self.max_model_len is None:
-            try:  # vLLM reports the context length in its model card
-                cards = (await self.client.get("/v1/models", timeout=self.settings.connect_timeout)).json()
+            cards = await get_json(self.client, "/v1/models")  # vLLM reports the context length in its model card
+            try:  # None (down now; it may come up later, health says so) or an odd shape: no length then
                 for card in cards.get("data", []):
                     if card.get("id") == self.settings.model and card.get("max_model_len"):
                         self.max_model_len = int(card["max_model_len"])
-            except (httpx.HTTPError, ValueError, AttributeError):
-                pass  # an upstream that is down now may come up later; health says so
+            except (ValueError, AttributeError, TypeError):
+                pass
 
     async def health(self) -> bool:
         return await answers_ok(self.client, "/v1/models", self.settings)

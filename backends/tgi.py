@@ -19,7 +19,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
-import httpx
 import msgspec
 
 from backends.base import (
@@ -39,6 +38,7 @@ from backends.http import (
     answers_ok,
     drop_none,
     error_for_status,
+    get_json,
     make_client,
     open_stream,
     read_body,
@@ -74,12 +74,10 @@ class TgiBackend:
         self.max_total_tokens: int | None = None
 
     async def start(self) -> None:
-        try:
-            info = (await self.client.get("/info", timeout=self.settings.connect_timeout)).json()
+        info = await get_json(self.client, "/info")
+        if isinstance(info, dict):
             self.model_id = str(info.get("model_id") or self.name)
             self.max_total_tokens = info.get("max_total_tokens")
-        except (httpx.HTTPError, ValueError, AttributeError):
-            pass
 
     async def health(self) -> bool:
         return await answers_ok(self.client, "/health", self.settings)

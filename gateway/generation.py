@@ -155,7 +155,7 @@ async def _observe(gw: Gateway, rec: RequestRecord | None, reservation: Reservat
                    model: str, backend: str, events: AsyncIterator[TokenEvent], span: Any,
                    sent_ns: int) -> AsyncIterator[TokenEvent]:
     """Note what the metrics, access log, usage record, trace and the key's limits need as the events pass."""
-    itl = gw.metrics.itl.labels(model, backend)
+    itl = gw.metrics.child(gw.metrics.itl, model, backend)
     log_text = gw.config.server.log_text or (gw.config.state is not None and gw.config.state.log_content)
     first: TokenEvent | None = None
     first_ns: int | None = None

@@ -68,26 +68,37 @@ class GatewayMetrics:
 
         self.keys = KeyMetrics(r, per_key_series) if per_key_series else None
         self._state_sources: list[Callable[[], Iterator[Metric]]] = []
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r.register(_StateCollector(self._state_sources))
 
     def add_state_source(self, source: Callable[[], Iterator[Metric]]) -> None:
         """Gauges read at scrape time (engine state, backend health)."""
         self._state_sources.append(source)
 
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: prometheus_client checks and locks on every labels() call, and
+        a request makes about ten. Series are never removed here, so a remembered child stays the exported one."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def observe_request(self, rec: RequestRecord) -> None:
         labels = (rec.model or "-", rec.backend or "-")
-        self.requests.labels(*labels, rec.route or rec.path, str(rec.status), rec.finish_reason or "-").inc()
+        child = self.child
+        child(self.requests, *labels, rec.route or rec.path, str(rec.status), rec.finish_reason or "-").inc()
         if rec.backend:
             duration = (rec.ended or rec.started) - rec.started
-            self.e2e.labels(*labels).observe(duration)
+            child(self.e2e, *labels).observe(duration)
             if rec.ttft is not None:
-                self.ttft.labels(*labels).observe(rec.ttft)
+                child(self.ttft, *labels).observe(rec.ttft)
                 if rec.generated_tokens > 1:
-                    self.tpot.labels(*labels).observe((duration - rec.ttft) / (rec.generated_tokens - 1))
+                    child(self.tpot, *labels).observe((duration - rec.ttft) / (rec.generated_tokens - 1))
             if rec.queue is not None:
-                self.queue.labels(*labels).observe(rec.queue)
-            self.prompt_tokens.labels(*labels).inc(rec.prompt_tokens)
-            self.generation_tokens.labels(*labels).inc(rec.generated_tokens)
+                child(self.queue, *labels).observe(rec.queue)
+            child(self.prompt_tokens, *labels).inc(rec.prompt_tokens)
+            child(self.generation_tokens, *labels).inc(rec.generated_tokens)
         if rec.adapter:
             self.adapter_requests.labels(rec.model or "-", rec.adapter, str(rec.status)).inc()
             self.adapter_generation_tokens.labels(rec.model or "-", rec.adapter).inc(rec.generated_tokens)

@@ -44,7 +44,7 @@ class TelemetryMiddleware:
         self.gateway.tracing.start_request(rec, traceparent)
         token = current_record.set(rec)
         metrics = self.gateway.metrics
-        metrics.in_flight.labels(rec.route).inc()
+        metrics.child(metrics.in_flight, rec.route).inc()
         done = False
 
         async def send_recorded(message: dict[str, Any]) -> None:
@@ -70,7 +70,7 @@ class TelemetryMiddleware:
     def _finish(self, rec: RequestRecord) -> None:
         rec.ended = time.perf_counter()
         gw = self.gateway
-        gw.metrics.in_flight.labels(rec.route).dec()
+        gw.metrics.child(gw.metrics.in_flight, rec.route).dec()
         gw.metrics.observe_request(rec)
         gw.accounts.record(rec)
         for observe in gw.request_observers:
