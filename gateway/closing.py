@@ -16,8 +16,8 @@ from typing import Any
 
 async def close_detached(stream: AsyncIterator[Any]) -> None:
     aclose = getattr(stream, "aclose", None)
-    if aclose is None:
-        return
+    if aclose is None or getattr(stream, "ag_frame", True) is None:
+        return  # nothing to close, or an async generator that has run to its end: no task for it
     closing = asyncio.ensure_future(aclose())
     with contextlib.suppress(BaseException):  # our caller being cancelled must not stop the close
         await asyncio.shield(closing)

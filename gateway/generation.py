@@ -324,25 +324,29 @@ class ClientGone(Exception):
 
 
 async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]) -> T:
-    """Await `work`, but cancel it (aborting the engine request or closing the upstream one) if the
-    client hangs up first. The request body has been read, so the next ASGI message is a disconnect."""
-    task = asyncio.ensure_future(work)
+    """Await `work` in this task, but cancel it (aborting the engine request or closing the upstream one) if
+    the client hangs up first. The request body has been read, so the next ASGI message is a disconnect. One
+    watcher task per request: `work` runs where it is awaited, not in a task of its own."""
+    current = asyncio.current_task()
+    assert current is not None
+    gone = False
 
     async def disconnected() -> None:
+        nonlocal gone
         while (await receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        current.cancel()
 
     watcher = asyncio.ensure_future(disconnected())
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if gone and current.uncancel() == 0:  # our cancel, and nobody else's: the client left
+            raise ClientGone from None
+        raise
     finally:
         watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    raise ClientGone
 
 
 async def merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tuple[int, TokenEvent]]:

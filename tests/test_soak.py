@@ -12,6 +12,7 @@ import collections
 import json
 import os
 import re
+import socket
 import time
 
 import httpx
@@ -159,3 +160,20 @@ def test_a_client_leaving_a_stream_frees_its_blocks_within_engine_steps(gateway_
     print(f"\nleft after one token of {asked}: {steps:.0f} engine steps in all")
     assert gauge(after, "llmgw_abort_seconds_count") - gauge(before, "llmgw_abort_seconds_count") == 1
     assert 1 <= steps < asked // 2, steps  # aborted, not run to its end: its blocks freed within a few steps
+
+
+def test_a_client_leaving_before_a_whole_answer_frees_its_blocks_within_engine_steps(gateway_url: str) -> None:
+    """The non-streaming twin: the client hangs up while its whole answer is being generated; the gateway
+    sees the disconnect and aborts the engine request, far short of the tokens asked for."""
+    asked = 1000
+    before = wait_until(lambda: idle_metrics(gateway_url), "the engine idle")
+    host, port = gateway_url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": asked, "ignore_eos": True}).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: gauge(metrics(gateway_url), "llmgw_engine_running_seqs") >= 1, "the request running")
+    after = wait_until(lambda: idle_metrics(gateway_url), "the blocks freed")
+    steps = gauge(after, "llmgw_engine_step_seconds_count") - gauge(before, "llmgw_engine_step_seconds_count")
+    assert gauge(after, "llmgw_abort_seconds_count") - gauge(before, "llmgw_abort_seconds_count") == 1
+    assert 1 <= steps < asked // 2, steps

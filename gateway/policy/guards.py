@@ -121,20 +121,26 @@ class ClientLimitsMiddleware:
                 f"the request body did not arrive within {server.body_timeout:g} s", kind="request_timeout"))
         pending = [{"type": "http.request", "body": bytes(body), "more_body": False}]
         stalled = asyncio.Event()  # set when a write to the client timed out
+        listening: set[asyncio.Task[Any]] = set()  # tasks waiting in replay() for the client's next message
 
         async def replay() -> dict[str, Any]:
             if pending:
                 return pending.pop()
             if stalled.is_set():
                 return {"type": "http.disconnect"}
-            # whichever comes first: the client's own message, or our verdict that it stopped reading
-            waits = [asyncio.ensure_future(receive()), asyncio.ensure_future(stalled.wait())]
+            # whichever comes first: the client's own message, or our verdict that it stopped reading (which
+            # cancels this wait: no extra tasks per request for the race)
+            me = asyncio.current_task()
+            assert me is not None
+            listening.add(me)
             try:
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:  # also when the app cancels its listener after the response: no task left pending
-                for task in waits:
-                    task.cancel()
-            return waits[0].result() if waits[0] in done else {"type": "http.disconnect"}
+                return await receive()
+            except asyncio.CancelledError:
+                if stalled.is_set() and me.uncancel() == 0:
+                    return {"type": "http.disconnect"}
+                raise
+            finally:
+                listening.discard(me)
 
         async def send_in_time(message: dict[str, Any]) -> None:
             if stalled.is_set():
@@ -148,6 +154,8 @@ class ClientLimitsMiddleware:
                 log.warning("%s %s: client stopped reading for %g s; dropping it", scope["method"], scope["path"],
                             server.send_timeout)
                 stalled.set()
+                for task in listening:
+                    task.cancel()
 
         await self.app(scope, replay, send_in_time)
 
