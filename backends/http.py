@@ -137,26 +137,38 @@ async def open_stream(client: UpstreamClient, backend: str, path: str, body: dic
 
 async def timed_events(response: aiohttp.ClientResponse, settings: HttpSettings, backend: str,
                        started: float) -> AsyncIterator[SSEEvent]:
-    """The response's SSE events, failing on the first-token, idle and total timeouts."""
-    events = iter_sse(response.content.iter_any()).__aiter__()
-    first = True
-    try:
+    """The response's SSE events, failing on the first-token, idle and total timeouts.
+
+    The idle deadline runs from when the next event is wanted (keep-alive comments do not move it) but is only
+    armed around a read from the socket: events already buffered pass without a timer (most of them, at speed)."""
+    total_at = started + settings.total_timeout  # time.monotonic(), which is also the event loop's clock
+    next_at = [min(started + settings.first_token_timeout, total_at)]  # the next event is due by then
+    first = [True]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        raw = response.content.iter_any().__aiter__()
         while True:
-            limit = settings.first_token_timeout if first else settings.idle_timeout
-            left = settings.total_timeout - (time.monotonic() - started)
             try:
-                async with asyncio.timeout(max(0.0, min(limit, left))):
-                    event = await events.__anext__()
+                async with asyncio.timeout_at(next_at[0]):
+                    chunk = await raw.__anext__()
             except StopAsyncIteration:
                 return
             except TimeoutError:
-                what = "total" if left <= limit else "first-token" if first else "idle"
+                what = "total" if next_at[0] >= total_at else "first-token" if first[0] else "idle"
+                limit = (settings.total_timeout if what == "total" else settings.first_token_timeout
+                         if first[0] else settings.idle_timeout)
                 raise BackendTimeoutError(f"{backend}: upstream {what} timeout "
-                                          f"({min(limit, left):.1f} s without an event)") from None
+                                          f"({limit:.1f} s without an event)") from None
             except aiohttp.ClientError as exc:
                 raise UpstreamError(f"{backend}: stream broken: {type(exc).__name__}: {exc}") from None
-            first = False
+            yield chunk
+
+    events = iter_sse(chunks())
+    try:
+        async for event in events:
+            first[0] = False
             yield event
+            next_at[0] = min(time.monotonic() + settings.idle_timeout, total_at)  # from when the next is wanted
     finally:
         await events.aclose()
 

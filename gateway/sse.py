@@ -44,11 +44,14 @@ async def with_keepalive(events: AsyncIterator[bytes], interval: float = 15.0) -
     try:
         while True:
             try:
-                async with asyncio.timeout(interval):
-                    item, error = await queue.get()
-            except TimeoutError:
-                yield KEEPALIVE
-                continue
+                item, error = queue.get_nowait()  # the producer is ahead: no timer to arm
+            except asyncio.QueueEmpty:
+                try:
+                    async with asyncio.timeout(interval):
+                        item, error = await queue.get()
+                except TimeoutError:
+                    yield KEEPALIVE
+                    continue
             if error is not None:
                 raise error
             if item is None:
