@@ -23,7 +23,8 @@ def sse_event(payload: Any) -> bytes:
 
 
 async def with_keepalive(events: AsyncIterator[bytes], interval: float = 15.0) -> AsyncIterator[bytes]:
-    """Pass events through; send a keep-alive comment whenever `interval` seconds pass without one.
+    """Pass events through; send a keep-alive comment whenever `interval` seconds pass without one. Events
+    that are ready together are written together (never held back for company).
 
     One producer task per stream feeds a queue; waiting on the queue can time out without
     disturbing the producer (cancelling a pending `__anext__` would close the stream).
@@ -56,7 +57,19 @@ async def with_keepalive(events: AsyncIterator[bytes], interval: float = 15.0) -
                 raise error
             if item is None:
                 return
-            yield item
+            # what else is queued already goes in the same write: one send to the client, not one per event
+            batch, end = [item], None
+            while not queue.empty():
+                more = queue.get_nowait()
+                if more[0] is None:
+                    end = more
+                    break
+                batch.append(more[0])
+            yield batch[0] if len(batch) == 1 else b"".join(batch)
+            if end is not None:
+                if end[1] is not None:
+                    raise end[1]
+                return
     finally:
         producer.cancel()
         with contextlib.suppress(BaseException):
