@@ -2,9 +2,11 @@
 backend) and through LiteLLM's proxy (one worker each), measured in one run.
 
     .venv/bin/python benchmarks/gateway_overhead.py --litellm-python .venv-litellm/bin/python [--state-variants]
+        [--portkey 1.15.2]
 
 Measures, for each target: non-streaming latency at concurrency 1, streaming TTFT at concurrency 1,
-and the saturated non-streaming request rate at concurrency 16.
+and the saturated non-streaming and streaming request rates at concurrency 16. --portkey VERSION adds
+Portkey's open-source gateway, installed from npm at benchmark time (node and npm needed).
 
 --state-variants adds what a stored API key plus usage recording costs: the gateway with `[state]` on
 SQLite (gw-key-sqlite) and on Postgres with the Redis-shared limiter (gw-key-pg-redis, a key with rpm
@@ -37,8 +39,9 @@ BODY = {"model": "mock", "messages": [{"role": "user", "content": "Say something
 STATE_TARGETS = {"added_p50_ms": 0.3, "c16_ratio": 0.9}  # issue 34: vs the keyless, stateless gateway
 
 
-async def measure(port: int, token: str, requests: int, seconds: float) -> dict[str, dict[str, float]]:
-    path, headers = "/v1/chat/completions", {"authorization": f"Bearer {token}"}
+async def measure(port: int, token: str, requests: int, seconds: float,
+                  extra_headers: dict[str, str] | None = None) -> dict[str, dict[str, float]]:
+    path, headers = "/v1/chat/completions", {"authorization": f"Bearer {token}", **(extra_headers or {})}
     whole = loadgen.build_request("127.0.0.1", port, path, json.dumps(BODY).encode(), headers)
     stream = loadgen.build_request("127.0.0.1", port, path, json.dumps({**BODY, "stream": True}).encode(), headers)
     await loadgen.run("127.0.0.1", port, whole, 4, count=100)  # warm-up
@@ -46,6 +49,7 @@ async def measure(port: int, token: str, requests: int, seconds: float) -> dict[
     out["c1_whole"] = (await loadgen.run("127.0.0.1", port, whole, 1, count=requests)).summary()
     out["c1_stream"] = (await loadgen.run("127.0.0.1", port, stream, 1, count=requests, marker=b"word0")).summary()
     out["c16_whole"] = (await loadgen.run("127.0.0.1", port, whole, 16, duration=seconds)).summary()
+    out["c16_stream"] = (await loadgen.run("127.0.0.1", port, stream, 16, duration=seconds)).summary()
     return out
 
 
@@ -92,6 +96,24 @@ def run_gateway(name: str, server: str, tables: str, key_body: dict | None, mock
         return asyncio.run(measure(port, token, args.requests, args.seconds))
     finally:
         services.stop(gw)
+
+
+def run_portkey(version: str, mock_port: int, logs: Path, args: argparse.Namespace, procs: list) -> dict:
+    """Portkey's open-source gateway (a Node server), installed from npm now, routed to the mock by its
+    x-portkey-provider / x-portkey-custom-host headers."""
+    prefix = logs / "portkey"
+    services.run(["npm", "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error",
+                  f"@portkey-ai/gateway@{version}"], "npm install @portkey-ai/gateway", timeout=900)
+    port = services.free_port()
+    server = prefix / "node_modules" / "@portkey-ai" / "gateway" / "build" / "start-server.js"
+    proc = services.start(["node", str(server), f"--port={port}", "--headless"], logs / "portkey.log")
+    procs.append(proc)
+    try:
+        services.wait_port(port, "/", proc=proc)
+        headers = {"x-portkey-provider": "openai", "x-portkey-custom-host": f"http://127.0.0.1:{mock_port}/v1"}
+        return asyncio.run(measure(port, MASTER_KEY, args.requests, args.seconds, headers))
+    finally:
+        services.stop(proc)
 
 
 def run_litellm(name: str, mock_port: int, logs: Path, args: argparse.Namespace, procs: list,
@@ -147,6 +169,8 @@ def cpu_model() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--litellm-python", default=None, help="python of a venv with litellm[proxy]")
+    parser.add_argument("--portkey", default=None, metavar="VERSION",
+                        help="also measure Portkey's gateway, this version of @portkey-ai/gateway from npm")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--json", type=Path, default=None)
@@ -182,6 +206,11 @@ def main() -> None:
                     raise
                 results["notes"].append(f"{name}: not measured: {type(e).__name__}: {e} (log: {logs / name}.log)")
 
+        if args.portkey:
+            try:
+                results["targets"]["portkey"] = run_portkey(args.portkey, mock_port, logs, args, procs)
+            except Exception as e:
+                results["notes"].append(f"portkey: not measured: {type(e).__name__}: {e}")
         if args.litellm_python:
             results["targets"]["litellm"] = run_litellm("litellm", mock_port, logs, args, procs)
             if pg is not None:
@@ -214,6 +243,10 @@ def p50(r: dict) -> float:
     return r["c1_whole"]["latency_p50_ms"]
 
 
+def ttft(r: dict) -> float:
+    return r["c1_stream"]["ttft_p50_ms"]
+
+
 def rate(r: dict) -> float:
     return r["c16_whole"]["req_per_s"]
 
@@ -222,11 +255,12 @@ def report(results: dict) -> None:
     targets = results["targets"]
     direct = targets["direct"]
     print(f"date: {results['date']}   cpu: {results['cpu']}")
-    print(f"{'target':<18} {'c1 p50 ms':>10} {'added ms':>9} {'c1 TTFT p50':>12} {'c16 req/s':>10} {'errors':>7}")
+    print(f"{'target':<18} {'c1 p50 ms':>10} {'added ms':>9} {'c1 TTFT p50':>12} {'TTFT added':>11} "
+          f"{'c16 req/s':>10} {'c16 stream/s':>13} {'errors':>7}")
     for name, r in targets.items():
         errors = sum(int(v["errors"]) for v in r.values())
-        print(f"{name:<18} {p50(r):>10.2f} {p50(r) - p50(direct):>9.2f} "
-              f"{r['c1_stream']['ttft_p50_ms']:>12.2f} {rate(r):>10.1f} {errors:>7}")
+        print(f"{name:<18} {p50(r):>10.2f} {p50(r) - p50(direct):>9.2f} {ttft(r):>12.2f} "
+              f"{ttft(r) - ttft(direct):>11.2f} {rate(r):>10.1f} {r['c16_stream']['req_per_s']:>13.1f} {errors:>7}")
     for note in results["notes"]:
         print(f"note: {note}")
 
@@ -252,6 +286,15 @@ def report(results: dict) -> None:
     if "litellm_db_check" in results:
         print("litellm-db recorded: " + ", ".join(f"{k} {v}" for k, v in results["litellm_db_check"].items()))
 
+    if "portkey" in targets and "llm-gateway" in targets:  # issue 37: at most 0.3x Portkey's added latency
+        ours, theirs = targets["llm-gateway"], targets["portkey"]
+        print(f"added p50 latency: llm-gateway / portkey = "
+              f"{(p50(ours) - p50(direct)) / (p50(theirs) - p50(direct)):.3f} (target <= 0.3); "
+              f"added TTFT {(ttft(ours) - ttft(direct)) / (ttft(theirs) - ttft(direct)):.3f}")
+    if "llm-gateway" in targets:  # issue 37: at most 0.5 ms added, whole answers and streamed first tokens
+        ours = targets["llm-gateway"]
+        print(f"llm-gateway added: p50 {p50(ours) - p50(direct):.2f} ms, TTFT {ttft(ours) - ttft(direct):.2f} ms "
+              f"(target <= 0.5 ms each)")
     pairs = [("llm-gateway", "litellm", True), ("gw-key-sqlite", "litellm-db", False),
              ("gw-key-pg-redis", "litellm-db", False)]
     for ours_name, theirs_name, with_targets in pairs:

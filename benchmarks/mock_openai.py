@@ -37,6 +37,12 @@ def build_responses(chunks: int) -> tuple[bytes, bytes, bytes]:
     return whole, stream, models
 
 
+def chunked(content_type: str, body: bytes) -> bytes:
+    """A streamed answer as servers send one (vLLM's, OpenAI's): chunked, here all in one chunk."""
+    return (f"HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n"
+            f"connection: keep-alive\r\n\r\n{len(body):x}\r\n").encode() + body + b"\r\n0\r\n\r\n"
+
+
 def response(status: str, content_type: str, body: bytes) -> bytes:
     return (f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
             f"connection: keep-alive\r\n\r\n").encode() + body
@@ -46,7 +52,7 @@ async def main(port: int, chunks: int) -> None:
     whole, stream, models = build_responses(chunks)
     answers = {
         "whole": response("200 OK", "application/json", whole),
-        "stream": response("200 OK", "text/event-stream", stream),
+        "stream": chunked("text/event-stream", stream),
         "models": response("200 OK", "application/json", models),
         "missing": response("404 Not Found", "application/json", b'{"error":"not found"}'),
     }
