@@ -75,6 +75,8 @@ class UsageWriter:
                 try:
                     if self.sqlite_file is not None:
                         self._write_sqlite(rows)
+                    elif self.engine.dialect.driver == "asyncpg":
+                        await self._copy_postgres(rows)
                     else:
                         async with self.engine.begin() as conn:
                             await conn.execute(usage.insert(), rows)
@@ -93,6 +95,15 @@ class UsageWriter:
                     log.info("usage records: the state database is back; buffered rows written")
                 self.available = True
         return True
+
+    async def _copy_postgres(self, rows: list[dict[str, Any]]) -> None:
+        """PostgreSQL: one binary COPY per batch through asyncpg (copy_records_to_table). SQLAlchemy's
+        executemany turned each row's parameters over in Python on the event loop: a tenth of the saturated
+        request rate went there once the rest of a request got cheap."""
+        async with self.engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            await raw.driver_connection.copy_records_to_table(  # type: ignore[union-attr]
+                usage.name, records=[tuple(row[name] for name in COLUMNS) for row in rows], columns=COLUMNS)
 
     def _write_sqlite(self, rows: list[dict[str, Any]]) -> None:
         """SQLite: written from the event loop's own thread, one multi-row INSERT per 900 rows (about
