@@ -172,8 +172,13 @@ def test_a_postgres_outage_loses_no_usage_row_and_known_keys_keep_working(fleet:
                             "/health says the store is down")
         assert health.status_code == 200 and health.json()["status"] == "degraded"
         assert health.json()["state_store"]["usage"]["buffered"] >= 8
-        metrics = httpx.get(f"{a}/metrics", timeout=CLIENT_TIMEOUT).text
-        assert "llmgw_state_store_up 0.0" in metrics and "llmgw_usage_rows_dropped_total 0.0" in metrics
+        # /health turns degraded at the first failed usage write; the store-up gauge at the first failed key read
+        def store_down() -> str | None:
+            text = httpx.get(f"{a}/metrics", timeout=CLIENT_TIMEOUT).text
+            return text if "llmgw_state_store_up 0.0" in text else None
+
+        metrics = wait_until(store_down, "llmgw_state_store_up 0 (a key read failed)")
+        assert "llmgw_usage_rows_dropped_total 0.0" in metrics
     finally:
         pg.start()
     wait_until(lambda: usage_count(pg.url, "through-the-outage") == 11, "every buffered row written after the outage")
