@@ -41,7 +41,7 @@ class Reservation:
     limits: KeyLimits
     amount: int  # tokens reserved (prompt + max_tokens)
     id: str  # uuid4 hex
-    day: str  # "20261204" UTC: the windows it was charged to
+    day: str  # "20261204" UTC: the windows it was charged to ("" when leased: no budget window)
     month: str  # "202612"
     enforced: bool = True  # False: the shared store was unreachable and fail_open let it through
     settled: bool = False

@@ -243,7 +243,7 @@ class RedisLimiter:
 
     async def _admit_leased(self, limits: KeyLimits, amount: int, count_request: bool, rid: str,
                             sizes: tuple[int, int]) -> Reservation:
-        day, month, _, _ = periods(time.time())
+        day = month = ""  # leased keys have no day or month budget: no window is charged (no date work per request)
         lease = self._current_lease(limits)
         if lease.take(amount, count_request):  # the common case: no await at all
             return Reservation(limits, amount, rid, day, month, lease=lease)
