@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import socket
 import sys
 
 from gateway.cli_admin import admin_request
 from gateway.cli_rollout import add_parsers as add_rollout_parsers
 from gateway.cli_state import add_parsers as add_state_parsers
 from gateway.config import ConfigError, load_config
+from gateway.fronts import FRONT_FD_ENV, FrontSupervisor, front, resolved_workers
 from gateway.migration_report import format_report
 from gateway.telemetry.logging import configure_logging
 
@@ -24,17 +27,27 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    here = front()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s{_front_tag(here)}: "
+                        "%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the state store logs its own migration line
     configure_logging(config.server.log_format)
-    print(config.describe(), file=sys.stderr)
+    if here is None:
+        print(config.describe(), file=sys.stderr)
+        if resolved_workers(config) > 1:
+            return FrontSupervisor(config, args.config, host, port, args.log_level).run()
     app = create_app(config, config_path=args.config)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, access_log=False),  # our own access log
                             app.state.gateway)
-    server.run()
+    # a front serves the socket its supervisor bound and passed down
+    server.run(sockets=[socket.socket(fileno=int(os.environ[FRONT_FD_ENV]))] if here is not None else None)
     return 0
+
+
+def _front_tag(here: tuple[int, int] | None) -> str:
+    return f" [front {here[0]} pid %(process)d]" if here is not None else ""
 
 
 def _check_config(args: argparse.Namespace) -> int:

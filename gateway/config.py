@@ -192,9 +192,28 @@ def parse_config(text: str, source: str = "<memory>") -> GatewayConfig:
     if default_model not in seen_names:
         raise ConfigError(f"default_model: no model named {default_model!r} (defined: {sorted(models)})")
     _check_auth(auth, seen_names)
+    _check_fronts(server, state, backends)
     return GatewayConfig(server=server, auth=auth, state=state, backends=backends, models=models,
                          default_model=seen_names[default_model], source=source,
                          version=hashlib.sha256(text.encode()).hexdigest()[:12])
+
+
+def _check_fronts(server: ServerConfig, state: StateConfig | None, backends: dict[str, BackendEntry]) -> None:
+    """Several front processes share the engine workers and the state store; each would have its own of the rest."""
+    if server.workers == "auto" or server.workers == 1:
+        if server.workers == "auto" and state is None:
+            raise ConfigError("server.workers: \"auto\" runs several front processes, which need a [state] table "
+                              "(keys, usage and stored Responses shared by every front; SQLite by default)")
+        return
+    if server.workers < 1:
+        raise ConfigError(f"server.workers: must be >= 1 or \"auto\", got {server.workers}")
+    if state is None:
+        raise ConfigError("server.workers: more than one front process needs a [state] table (keys, usage and stored "
+                          "Responses shared by every front; SQLite by default)")
+    for name, entry in backends.items():
+        if getattr(entry.settings, "workers", None) == "thread":
+            raise ConfigError(f"backends.{name}.workers: \"thread\" loads an engine in each front process; with "
+                              "server.workers > 1 the engine runs in a worker process all fronts share (\"process\")")
 
 
 def _check_auth(auth: AuthConfig, model_names: dict[str, str]) -> None:

@@ -69,6 +69,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Seconds one response write may wait on a client that does not read."""
     drain_timeout: float = 30.0
     """On SIGTERM: seconds requests in flight get to finish before exit."""
+    workers: int | Literal["auto"] = 1
+    """Front-end processes serving the port, as vLLM's `--api-server-count` ("auto": one per core this process
+    may use). Over 1, they share the engine workers, the `[state]` store (required) and /metrics."""
 
     def resolved_admin_key(self) -> str | None:
         """The admin key: from the environment variable named in admin_key_env, else admin_key."""

@@ -20,6 +20,7 @@ from backends.base import Backend
 from backends.pool.build import make_backend
 from gateway.config import ConfigError, GatewayConfig, parse_config, primary_routes
 from gateway.errors import GatewayError
+from gateway.fronts import first_front, front
 from gateway.policy.accounts import Accounts
 from gateway.policy.auth import KeyRing
 from gateway.rollout.manager import RolloutManager
@@ -104,7 +105,7 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self._start(name, backend)))
         interval = self.config.server.health_check_interval
         self._tasks.append(asyncio.create_task(self._check_health(interval)))
-        if self.config.server.watch_config and self.config_path:
+        if self.config.server.watch_config and self.config_path and front() is None:  # else the supervisor's
             self._tasks.append(asyncio.create_task(self._watch_file()))
 
     async def _start(self, name: str, backend: Backend) -> bool:
@@ -120,13 +121,13 @@ class Gateway:
             self.failed[id(backend)] = str(exc) or type(exc).__name__
             return False
         self.started[id(backend)] = True
-        for label, member in _engines_of(name, backend):
+        for label, member in engines_of(name, backend):
             engine = getattr(member, "engine", None)
             if engine is not None and hasattr(engine, "step_listeners"):
                 engine.step_listeners.append(self._engine_step_observer(label))
                 engine.abort_listeners.append(self.metrics.abort_seconds.labels(label).observe)
-            elif hasattr(member, "step_listeners"):  # an engine worker: its steps' figures arrive over IPC
-                member.step_listeners.append(self._engine_step_observer(label))  # (the gateway times its aborts)
+            elif hasattr(member, "step_listeners") and first_front():  # a worker: its steps' figures over IPC,
+                member.step_listeners.append(self._engine_step_observer(label))  # counted by one front of several
         healthy = False
         with contextlib.suppress(Exception):
             healthy = await backend.health()
@@ -150,7 +151,7 @@ class Gateway:
     def _engine_members(self, started_only: bool = False) -> list[tuple[str, Any]]:
         """Every engine backend and every engine worker of a pool, by its metrics label."""
         return [member for name, b in self.backends.items() if not started_only or self.started.get(id(b))
-                for member in _engines_of(name, b)]
+                for member in engines_of(name, b)]
 
     def _engines(self) -> dict[str, Any]:
         """Each started engine's figures: the in-process LLMEngine, or an engine worker's latest report."""
@@ -393,7 +394,7 @@ def build_backends(config: GatewayConfig) -> dict[str, Backend]:
     return {name: make_backend(name, entry.type, entry.settings) for name, entry in config.backends.items()}
 
 
-def _engines_of(name: str, backend: Any) -> list[tuple[str, Any]]:
+def engines_of(name: str, backend: Any) -> list[tuple[str, Any]]:
     """An engine backend as itself; a pool as its engine workers, each labelled by its replica id
     ("local-worker-0"), so that their step figures and restarts show one by one; others: none."""
     replicas = getattr(backend, "replica_states", None)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from backends.engine import EngineBackend, EngineSettings
+from backends.engine_worker.attached import AttachedEngineWorker, attaching
 from backends.engine_worker.client import EngineWorkerBackend
 from backends.engine_worker.messages import StepFigures, WorkerLoad
 
@@ -30,11 +31,16 @@ class ConfiguredEngine:
 
     def __new__(cls, name: str, settings: EngineSettings) -> Any:  # type: ignore[misc]
         if settings.workers == "process":
-            return EngineWorkerBackend(name, settings)
+            return engine_worker(name, settings)
         return EngineBackend(name, settings)
 
 
 def worker_replica(replica_id: str, settings: EngineSettings, index: int) -> EngineWorkerBackend:
     """Replica `index` of an engine pool: a worker process with its share of the cores (always a process:
     replicas in one process would share one GIL, the thing the pool's workers are there to avoid)."""
-    return EngineWorkerBackend(replica_id, msgspec.structs.replace(settings, workers="process"))
+    return engine_worker(replica_id, msgspec.structs.replace(settings, workers="process"))
+
+
+def engine_worker(name: str, settings: EngineSettings) -> EngineWorkerBackend:
+    """A worker this process starts, or, in a front of a multi-process gateway, the supervisor's worker."""
+    return AttachedEngineWorker(name, settings) if attaching() else EngineWorkerBackend(name, settings)

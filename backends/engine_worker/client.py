@@ -37,7 +37,13 @@ from backends.base import (
 )
 from backends.engine import EngineSettings
 from backends.engine_constraint import ENGINE_CONSTRAINT_KINDS
-from backends.engine_worker.connection import Connection, backend_error, describe_exit, worker_threads
+from backends.engine_worker.connection import (
+    Connection,
+    attach_address,
+    backend_error,
+    describe_exit,
+    worker_threads,
+)
 from backends.engine_worker.figures import EngineFigures, engine_figures
 from backends.engine_worker.messages import (
     Abort,
@@ -111,7 +117,7 @@ class EngineWorkerBackend:
         conn.receiver = asyncio.create_task(self._receive(conn))
         settings = msgspec.to_builtins(msgspec.structs.replace(self.settings, num_threads=self.threads))
         launch = Launch(name=self.name, settings=settings, to_worker=conn.to_worker, from_worker=conn.from_worker,
-                        parent_pid=os.getpid())
+                        parent_pid=os.getpid(), attach=attach_address(self.name))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [PROJECT_ROOT, os.environ.get("PYTHONPATH")]))}
         try:
             conn.process = await asyncio.create_subprocess_exec(
@@ -132,23 +138,26 @@ class EngineWorkerBackend:
             self._conn = None
             conn.close()
             raise
+        self._serving(ready)
+
+    def _serving(self, ready: Ready) -> None:
         self._info, self._dtype, self._load = ready.info, ready.dtype, ready.load
         self.load_error = None
-        log.info("backend %s: engine worker pid %d is serving", self.name, conn.process.pid)
+        log.info("backend %s: engine worker pid %d is serving", self.name, ready.load.pid)
 
     async def _supervise(self) -> None:
         """Wait for the worker to end; unless it was told to, fail its requests and start another."""
         while True:
             conn = self._conn
-            assert conn is not None and conn.process is not None
-            code = await self._wait_or_kill_hung(conn)
+            assert conn is not None
+            ended = await self._wait_for_end(conn)
             if self.state == "closed":
                 return
             self.restarts += 1
-            self.last_exit = describe_exit(code)
+            self.last_exit = ended
             self.state = "restarting"
-            log.error("backend %s: engine worker pid %d ended (%s); %d request(s) failed; restarting",
-                      self.name, conn.process.pid, self.last_exit, len(self._streams))
+            log.error("backend %s: engine worker pid %s ended (%s); %d request(s) failed; restarting",
+                      self.name, self._load.pid if self._load else "?", self.last_exit, len(self._streams))
             self._conn = None
             conn.close()
             self._fail_all(f"{self.name}: the engine worker ended ({self.last_exit}) and is restarting")
@@ -163,14 +172,14 @@ class EngineWorkerBackend:
             await self._reload_adapters()  # before it takes requests, so none finds its adapter missing
             self.state = "ready"
 
-    async def _wait_or_kill_hung(self, conn: Connection) -> int:
-        """The worker's exit code; a worker that stopped answering (a wedged step loop) is killed first."""
+    async def _wait_for_end(self, conn: Connection) -> str:
+        """How the worker ended; a worker that stopped answering (a wedged step loop) is killed first."""
         assert conn.process is not None
         exited = asyncio.ensure_future(conn.process.wait())
         while True:
             done, _ = await asyncio.wait({exited}, timeout=HUNG_AFTER / 4)
             if done:
-                return exited.result()
+                return describe_exit(exited.result())
             load = self._load
             if load is not None and time.monotonic() - self._heard_at > HUNG_AFTER:
                 log.error("backend %s: engine worker pid %d sent nothing for %.0f s; killing it", self.name,
@@ -208,8 +217,8 @@ class EngineWorkerBackend:
     @property
     def pid(self) -> int | None:
         """The worker process serving now."""
-        conn = self._conn
-        return conn.process.pid if conn is not None and conn.process is not None and self.state == "ready" else None
+        load = self._load
+        return load.pid if self._conn is not None and load is not None and self.state == "ready" else None
 
     def load(self) -> WorkerLoad | None:
         """The worker's latest figures (running, waiting, KV blocks, steps), or None before it reports."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -43,6 +44,32 @@ def worker_threads(replicas: int) -> int:
     """Each of `replicas` workers on this machine gets an equal share of the cores this process may use."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, replicas))
+
+
+RUN_DIR_ENV = "LLMGW_ENGINE_RUN_DIR"  # set by the front supervisor (gateway/fronts.py) for its engine workers
+
+
+def attach_address(name: str) -> str | None:
+    """Where the engine worker of backend `name` takes other fronts' Attach messages: a name under the front
+    supervisor's run directory, the same in every front; None in a gateway of one process."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return None
+    return f"ipc://{run_dir}/{hashlib.sha1(name.encode()).hexdigest()[:16]}.attach"
+
+
+def process_alive(pid: int) -> bool:
+    """A process of this host still runs (a zombie its parent has not reaped yet counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    return True
 
 
 def describe_exit(code: int) -> str:

@@ -90,6 +90,16 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
 ToWorker = Generate | Abort | Call | Shutdown
 
 
+class Attach(msgspec.Struct, frozen=True, kw_only=True):
+    """A gateway front joining a running worker (`[server] workers` > 1), sent to the worker's attach address:
+    the worker connects to the two addresses the front bound, answers Ready there and serves the front's
+    streams until it says Shutdown or its process is gone (then its streams are aborted)."""
+
+    pid: int
+    to_worker: str
+    from_worker: str
+
+
 # worker -> gateway
 
 
@@ -149,3 +159,4 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     to_worker: str  # ZeroMQ address the gateway binds and pushes requests to
     from_worker: str  # ZeroMQ address the gateway binds and pulls token streams from
     parent_pid: int  # the worker exits when this process is gone
+    attach: str | None = None  # a ZeroMQ address the worker binds for other fronts' Attach messages

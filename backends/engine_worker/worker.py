@@ -1,7 +1,8 @@
 """The engine worker process: one ordinary in-process `EngineBackend` behind two ZeroMQ sockets.
 
 Requests come in on a PULL socket, token events go out on a PUSH socket (both bound by the gateway,
-which starts this process with `python -m backends.engine_worker LAUNCH_JSON`). The events of one
+which starts this process with `python -m backends.engine_worker LAUNCH_JSON`); in a gateway of several
+front processes, each front attaches with a pair of its own (peers.py). The events of one
 engine step leave in one message; the worker's figures (`WorkerLoad`) follow steps and aborts and
 serve as a heartbeat. The process ends when told to, or when the gateway's process is gone.
 """
@@ -26,6 +27,7 @@ from backends.base import BackendError, GenerationRequest, describe
 from backends.engine import EngineBackend, EngineSettings
 from backends.engine_worker.messages import (
     Abort,
+    Attach,
     Call,
     Emitted,
     Failed,
@@ -44,6 +46,7 @@ from backends.engine_worker.messages import (
     WorkerLoad,
     encode_hook,
 )
+from backends.engine_worker.peers import Peer
 from engine_core import LLMEngine
 
 log = logging.getLogger("llmgw.engine_worker")
@@ -60,14 +63,9 @@ class Worker:
                                                                           prefill_replicas=0))
         self.launch = launch
         self.context = zmq.asyncio.Context()
-        self.inbox = self.context.socket(zmq.PULL)
-        self.inbox.connect(launch.to_worker)
-        self.outbox = zmq.Context.instance().socket(zmq.PUSH)  # sends never wait: no high-water mark
-        self.outbox.setsockopt(zmq.SNDHWM, 0)
-        self.outbox.connect(launch.from_worker)
+        self.peers = [Peer(self.context, launch.parent_pid, launch.to_worker, launch.from_worker, spawner=True)]
         self.encoder = msgspec.msgpack.Encoder(enc_hook=encode_hook)
-        self.streams: dict[int, asyncio.Task[None]] = {}
-        self.pending: list[Emitted] = []
+        self.ready: Ready | None = None  # once the engine serves: what an attaching front is told first
         self.steps: list[StepFigures] = []
         self.total_steps = 0
         self.changed = False  # steps ran or blocks were freed since the last figures sent
@@ -76,11 +74,16 @@ class Worker:
 
     # sending
 
-    def send(self, message: FromWorker) -> None:
-        self.outbox.send(self.encoder.encode(message), copy=False)
+    def send(self, peer: Peer, message: FromWorker) -> None:
+        peer.send(self.encoder.encode(message))
 
-    def emit(self, stream: int, event: Any) -> None:
-        self.pending.append(Emitted(stream, event))
+    def broadcast(self, message: FromWorker) -> None:
+        data = self.encoder.encode(message)
+        for peer in self.peers:
+            peer.send(data)
+
+    def emit(self, peer: Peer, stream: int, event: Any) -> None:
+        peer.pending.append(Emitted(stream, event))
         self.flush_soon()
 
     def flush_soon(self) -> None:
@@ -92,12 +95,16 @@ class Worker:
 
     def flush(self) -> None:
         self.flush_due = False
-        if self.pending or self.changed:
-            events, self.pending = self.pending, []
-            # a stream that finished freed its blocks in the step that made its last event: the figures read
-            # now show that, and reach the gateway before the event does
-            finished = any(e.event.finish_reason is not None for e in events)
-            self.send(Tokens(events, self.figures(with_adapters=False) if self.changed or finished else None))
+        if not self.changed and not any(peer.pending for peer in self.peers):
+            return
+        # a stream that finished freed its blocks in the step that made its last event: the figures read
+        # now show that, and reach the gateway before the event does
+        finished = any(e.event.finish_reason is not None for peer in self.peers for e in peer.pending)
+        load = self.figures(with_adapters=False) if self.changed or finished else None
+        for peer in self.peers:
+            if peer.pending or load is not None:
+                events, peer.pending = peer.pending, []
+                self.send(peer, Tokens(events, load))
 
     def figures(self, with_adapters: bool = True) -> WorkerLoad:
         """The figures now; a step's leave the adapters out (they change only by a call, never by a step)."""
@@ -118,7 +125,7 @@ class Worker:
 
     def send_load(self) -> None:
         self.flush()  # the events first, and the figures that go with them
-        self.send(Load(self.figures()))
+        self.broadcast(Load(self.figures()))
 
     def note_change(self) -> None:
         """Steps ran or blocks were freed: the figures go with the next send."""
@@ -143,22 +150,22 @@ class Worker:
         self.backend.engine.step_listeners.append(after_step)
         self.backend.engine.abort_listeners.append(lambda _seconds: loop.call_soon_threadsafe(self.note_change))
 
-    async def serve_stream(self, stream: int, request: GenerationRequest) -> None:
+    async def serve_stream(self, peer: Peer, stream: int, request: GenerationRequest) -> None:
         try:
             async for event in self.backend.generate(request):
-                self.emit(stream, event)
+                self.emit(peer, stream, event)
         except asyncio.CancelledError:  # aborted: the engine freed its blocks; nobody waits for an answer
             pass
         except BackendError as exc:
             self.flush()
-            self.send(Failed(stream, exc.kind, exc.message, exc.status, type(exc).__name__))
+            self.send(peer, Failed(stream, exc.kind, exc.message, exc.status, type(exc).__name__))
         except Exception as exc:  # the backend maps engine errors itself; anything else is still an answer
             self.flush()
-            self.send(Failed(stream, "upstream", f"{self.backend.name}: {describe(exc)}"))
+            self.send(peer, Failed(stream, "upstream", f"{self.backend.name}: {describe(exc)}"))
         finally:
-            self.streams.pop(stream, None)
+            peer.streams.pop(stream, None)
 
-    async def call(self, message: Call) -> None:
+    async def call(self, peer: Peer, message: Call) -> None:
         try:
             if message.method.startswith("_") or message.method in NOT_CALLABLE:
                 raise AttributeError(message.method)
@@ -175,33 +182,68 @@ class Worker:
             reply = Reply(message.call, error_kind="upstream", error=describe(exc))
         if message.method not in READ_ONLY:
             self.send_load()  # a call may change the figures (adapters): they arrive before its reply
-        self.send(reply)
+        self.send(peer, reply)
 
     # the loops
 
-    async def receive(self) -> None:
+    async def receive(self, peer: Peer) -> None:
         decoder = msgspec.msgpack.Decoder(ToWorker)
         tasks: set[asyncio.Task[None]] = set()
         while True:
-            data = await self.inbox.recv(copy=False)
+            data = await peer.inbox.recv(copy=False)
             try:
                 message = decoder.decode(data)
             except msgspec.DecodeError as exc:  # a gateway of another version: say so, serve the rest
                 log.error("engine worker: a message it cannot read: %s", exc)
                 continue
             if isinstance(message, Generate):
-                self.streams[message.stream] = asyncio.create_task(self.serve_stream(message.stream, message.request))
+                peer.streams[message.stream] = asyncio.create_task(
+                    self.serve_stream(peer, message.stream, message.request))
             elif isinstance(message, Abort):
-                task = self.streams.pop(message.stream, None)
+                task = peer.streams.pop(message.stream, None)
                 if task is not None:
                     task.cancel()
             elif isinstance(message, Call):
-                task = asyncio.create_task(self.call(message))
+                task = asyncio.create_task(self.call(peer, message))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             elif isinstance(message, Shutdown):
-                self.stopping.set()
+                if peer.spawner:
+                    self.stopping.set()
+                else:  # a front leaving: the worker serves on
+                    asyncio.get_running_loop().call_soon(self.detach, peer)
                 return
+
+    async def accept(self, address: str) -> None:
+        """Fronts of a multi-process gateway attach here: each gets its own pair of sockets, and Ready."""
+        listener = self.context.socket(zmq.PULL)
+        listener.bind(address)
+        decoder = msgspec.msgpack.Decoder(Attach)
+        try:
+            while True:
+                try:
+                    attach = decoder.decode(await listener.recv(copy=False))
+                except msgspec.DecodeError as exc:
+                    log.error("engine worker: an attach message it cannot read: %s", exc)
+                    continue
+                for old in [p for p in self.peers if not p.spawner and p.pid == attach.pid]:
+                    self.detach(old)  # the same front again (it lost this worker's Ready): its old pair goes
+                peer = Peer(self.context, attach.pid, attach.to_worker, attach.from_worker, spawner=False)
+                peer.receiver = asyncio.create_task(self.receive(peer))
+                self.peers.append(peer)
+                log.info("front pid %d attached (%d gateway process(es))", attach.pid, len(self.peers))
+                if self.ready is not None:
+                    self.send(peer, msgspec.structs.replace(self.ready, load=self.figures()))
+        finally:
+            listener.close(linger=0)
+
+    def detach(self, peer: Peer) -> None:
+        if peer in self.peers:
+            self.peers.remove(peer)
+            if peer.streams:
+                log.warning("front pid %d is gone; its %d request(s) aborted", peer.pid, len(peer.streams))
+            peer.close()
+            self.note_change()  # the aborts freed blocks: every other front hears of it
 
     async def heartbeat(self) -> None:
         while True:
@@ -210,33 +252,43 @@ class Worker:
                 log.warning("the gateway (pid %d) is gone; the engine worker exits", self.launch.parent_pid)
                 self.stopping.set()
                 return
+            for peer in [p for p in self.peers if not p.spawner and not p.alive()]:
+                self.detach(peer)
             self.send_load()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        receiving = asyncio.create_task(self.receive())
+        spawner = self.peers[0]
+        spawner.receiver = asyncio.create_task(self.receive(spawner))
         beating = asyncio.create_task(self.heartbeat())
+        accepting = asyncio.create_task(self.accept(self.launch.attach)) if self.launch.attach else None
         starting = asyncio.create_task(self.backend.start())
         stopping = asyncio.create_task(self.stopping.wait())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         code = 0
         if starting.done() and starting.exception() is not None:
-            self.send(StartFailed(describe(starting.exception())))  # type: ignore[arg-type]
+            self.broadcast(StartFailed(describe(starting.exception())))  # type: ignore[arg-type]
             code = 1
         elif starting.done():
             self.watch_engine(loop)
-            self.send(Ready(self.backend.info(), self.backend.dtype(), self.figures()))
+            self.ready = Ready(self.backend.info(), self.backend.dtype(), self.figures())
+            self.broadcast(self.ready)
+            receiving = spawner.receiver
             await asyncio.wait({stopping, receiving}, return_when=asyncio.FIRST_COMPLETED)  # told to, or broken
             if receiving.done() and not receiving.cancelled() and receiving.exception() is not None:
                 log.error("engine worker: its receive loop failed: %s", describe(receiving.exception()))  # type: ignore[arg-type]
                 code = 1
-        for task in (receiving, beating, starting, *self.streams.values()):
-            task.cancel()
+        for task in (beating, starting, accepting):
+            if task is not None:
+                task.cancel()
+        for peer in self.peers:
+            for task in peer.streams.values():
+                task.cancel()
         with contextlib.suppress(Exception):
             await self.backend.aclose()
         self.flush()
-        self.outbox.close(linger=2000)  # what is queued (a StartFailed, the last events) still goes out
-        self.inbox.close(linger=0)
+        for peer in self.peers:
+            peer.close(linger=2000)  # what is queued (a StartFailed, the last events) still goes out
         self.context.term()
         return code
 

@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from gateway.config import GatewayConfig
+from gateway.fronts import front_count
 from gateway.policy.auth import KeyRing
 from gateway.policy.quota import Quota
 from gateway.responses_store import MemoryResponses
@@ -26,8 +27,9 @@ class Accounts:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         state = config.state
-        self.quota = Quota(make_limiter(state.resolved_redis(), state.fail_open, lease_fraction=state.lease_fraction)
-                           if state is not None else make_limiter(None))
+        share = 1.0 / front_count()  # without Redis, each of N front processes enforces 1/N of a limit
+        self.quota = Quota(make_limiter(state.resolved_redis(), state.fail_open, lease_fraction=state.lease_fraction,
+                                        share=share) if state is not None else make_limiter(None, share=share))
         self.store = StateStore(state, self.quota.limiter, self._stored_keys) if state is not None else None
         self.keys = KeyRing(config, None, store_enabled=self.store is not None)
         self.responses: MemoryResponses | PersistedResponses = (

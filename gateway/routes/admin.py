@@ -4,6 +4,8 @@ series the console charts, and hot reload."""
 from __future__ import annotations
 
 import hmac
+import os
+import signal
 from typing import Any
 
 from litestar import Controller, Request, get, post
@@ -11,6 +13,7 @@ from litestar.params import Parameter
 
 from gateway.config import ConfigError, primary_routes
 from gateway.errors import GatewayError
+from gateway.fronts import front
 from gateway.state import Gateway
 
 
@@ -80,6 +83,8 @@ class AdminController(Controller):
     async def reload(self, gateway: Gateway, request: Request) -> dict[str, Any]:
         require_admin(gateway, request)
         previous = gateway.config.version
+        if front() is not None:  # every front reloads; the supervisor starts any new engine worker first
+            os.kill(os.getppid(), signal.SIGHUP)
         try:
             config = await gateway.reload()
         except ConfigError as exc:

@@ -107,8 +107,11 @@ class LocalLimiter:
 
     shared = False
 
-    def __init__(self, reservation_ttl: float = 600.0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, reservation_ttl: float = 600.0, clock: Callable[[], float] = time.time,
+                 share: float = 1.0) -> None:
         self.reservation_ttl = reservation_ttl
+        self.share = share  # one front of N without Redis enforces 1/N of every limit (gateway/fronts.py)
+        self._parts: dict[KeyLimits, KeyLimits] = {}
         self._clock = clock
         self._buckets: dict[tuple[str, str], _Bucket] = {}
         self._windows: dict[tuple[str, str], _Window] = {}  # (key, "d"|"m") -> the current period's window
@@ -125,9 +128,22 @@ class LocalLimiter:
         b.refill(capacity, now)
         return b
 
+    def _part(self, limits: KeyLimits) -> KeyLimits:
+        """This process's part of a key's limits: all of them, or its share (at least 1 of each)."""
+        part = self._parts.get(limits)
+        if part is None:
+            def cut(value: int | None) -> int | None:
+                return None if value is None else max(1, int(value * self.share))
+
+            part = self._parts[limits] = KeyLimits(limits.key, cut(limits.rpm), cut(limits.tpm),
+                                                   cut(limits.tokens_per_day), cut(limits.tokens_per_month))
+        return part
+
     async def admit(self, limits: KeyLimits, amount: int, count_request: bool = True) -> Reservation:
         now = self._clock()
         day, month, to_midnight, to_month = periods(now)
+        if self.share < 1.0:
+            limits = self._part(limits)
         key = limits.key
         windows: list[tuple[_Window, int, str, float]] = []
         for kind, period, limit, what, wait in (("d", day, limits.tokens_per_day, PER_DAY, to_midnight),
@@ -177,8 +193,8 @@ class LocalLimiter:
 
     def seed(self, key: str, day_used: int, month_used: int) -> None:
         day, month, _, _ = periods(self._clock())
-        self._window(key, "d", day).used = day_used
-        self._window(key, "m", month).used = month_used
+        self._window(key, "d", day).used = int(day_used * self.share)  # of a shared budget: this front's share
+        self._window(key, "m", month).used = int(month_used * self.share)
 
     def status(self) -> dict[str, object]:
         return {"shared": False, "available": True, "errors": 0, "unenforced": 0,
@@ -189,9 +205,10 @@ class LocalLimiter:
 
 
 def make_limiter(redis_url: str | None, fail_open: bool = True, reservation_ttl: float = 600.0,
-                 lease_fraction: float = 0.01) -> Limiter:
+                 lease_fraction: float = 0.01, share: float = 1.0) -> Limiter:
+    """Limits shared through Redis, else counted here (`share`: the part of each a process of N enforces)."""
     if not redis_url:
-        return LocalLimiter(reservation_ttl)
+        return LocalLimiter(reservation_ttl, share=share)
     from gateway.store.redis_limits import RedisLimiter
 
     return RedisLimiter(redis_url, fail_open=fail_open, reservation_ttl=reservation_ttl,

@@ -4,11 +4,13 @@ circuits; the engine's scheduler, KV cache and speculative decoding; optionally 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.telemetry.record import RequestRecord
 from gateway.telemetry.tgi_metrics import TgiMetrics
@@ -28,7 +30,8 @@ class GatewayMetrics:
         mb = ["model", "backend"]
         self.requests = Counter("llmgw_requests", "Requests by route, status and finish reason",
                                 ["model", "backend", "route", "status", "finish_reason"], registry=r)
-        self.in_flight = Gauge("llmgw_requests_in_flight", "Requests being served", ["route"], registry=r)
+        self.in_flight = Gauge("llmgw_requests_in_flight", "Requests being served", ["route"], registry=r,
+                               multiprocess_mode="livesum")  # several fronts: the sum over the live ones
         self.ttft = Histogram("llmgw_time_to_first_token_seconds", "Time to first token", mb,
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("llmgw_inter_token_latency_seconds", "Gap between streamed tokens", mb,
@@ -70,6 +73,12 @@ class GatewayMetrics:
         self._state_sources: list[Callable[[], Iterator[Metric]]] = []
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r.register(_StateCollector(self._state_sources))
+        self._exported = r
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if shared:  # one front of several (gateway/fronts.py): every front's series summed, this one's state
+            self._exported = CollectorRegistry()
+            MultiProcessCollector(self._exported, path=shared)
+            self._exported.register(_StateCollector(self._state_sources))
 
     def add_state_source(self, source: Callable[[], Iterator[Metric]]) -> None:
         """Gauges read at scrape time (engine state, backend health)."""
@@ -108,7 +117,7 @@ class GatewayMetrics:
             self.keys.observe(rec)
 
     def render(self) -> bytes:
-        text = generate_latest(self.registry)
+        text = generate_latest(self._exported)
         return text + self.tgi.render() if self.tgi is not None else text
 
 

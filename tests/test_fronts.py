@@ -1,0 +1,233 @@
+"""`[server] workers = 2`: one port served by two front processes over one engine worker (gateway/fronts.py),
+through real processes and the real model: the same greedy text as one process, one /metrics view of both
+fronts, a front killed with SIGKILL under load that fails only its own requests and comes back, an engine
+worker killed and restarted under every front, and a SIGTERM that drains and leaves no process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server import CLIENT_TIMEOUT, ENGINE_CONFIG, PROCESSES, running_gateway, wait_until
+
+FRONTS_CONFIG = ENGINE_CONFIG.replace('type = "engine"\n', 'type = "engine"\nworkers = "process"\n') + """
+[server]
+workers = 2
+health_check_interval = 0.2
+eject_cooldown = 1.0
+
+[state]
+
+[[auth.keys]]
+name = "tests"
+key = "fronts-test-key"
+"""
+HEADERS = {"authorization": "Bearer fronts-test-key"}
+STORY = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def fronts_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running_gateway(FRONTS_CONFIG, tmp_path_factory.mktemp("fronts")) as url:
+        wait_until(lambda: len(fronts(url)) == 2 and all(serving(url) for _ in range(4)), "both fronts serving")
+        yield url
+
+
+def supervisor(url: str) -> psutil.Process:
+    return psutil.Process(PROCESSES[url].pid)
+
+
+def fronts(url: str) -> list[psutil.Process]:
+    return [p for p in _living(supervisor(url).children()) if "gateway" in p.cmdline() and "serve" in p.cmdline()]
+
+
+def engine_workers(url: str) -> list[psutil.Process]:
+    return [p for p in _living(supervisor(url).children(recursive=True))
+            if "backends.engine_worker" in " ".join(p.cmdline())]
+
+
+def _living(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running (one just killed is a zombie until the supervisor reaps it)."""
+    alive = []
+    for p in processes:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                p.cmdline()
+                alive.append(p)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def serving(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    text = httpx.get(f"{url}/metrics", timeout=CLIENT_TIMEOUT).text
+    return [(s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name]
+
+
+def total(url: str, name: str, **labels: str) -> float:
+    return sum(v for found, v in samples(url, name) if all(found.get(k) == want for k, want in labels.items()))
+
+
+def engine_idle(url: str) -> bool:
+    used = samples(url, "llmgw_engine_kv_blocks_used")
+    return bool(used) and all(v == 0 for _, v in used) and total(url, "llmgw_engine_running_seqs") == 0
+
+
+def complete(url: str, prompt: str, client: httpx.Client | None = None) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+    post = client.post if client is not None else httpx.post
+    response = post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=CLIENT_TIMEOUT)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_two_fronts_serve_one_port_from_one_engine_worker(fronts_gateway: str) -> None:
+    url = fronts_gateway
+    assert len(fronts(url)) == 2 and len(engine_workers(url)) == 1  # the model is loaded once
+    # the engine worker is the supervisor's child: a front's death cannot take it along
+    assert engine_workers(url)[0].ppid() == supervisor(url).pid
+    # new connections go to either front; every answer is the same greedy text
+    answers = {complete(url, "The capital of France is")["choices"][0]["text"] for _ in range(8)}
+    assert len(answers) == 1 and answers.pop().strip()
+
+
+def test_metrics_sum_the_requests_of_every_front_and_show_the_engine_once(fronts_gateway: str) -> None:
+    url = fronts_gateway
+    before = total(url, "llmgw_requests_total", route="/v1/completions")
+    clients = [httpx.Client() for _ in range(6)]  # six connections: the kernel spreads them over the fronts
+    try:
+        barrier = threading.Barrier(len(clients))
+
+        def send(client: httpx.Client) -> None:
+            barrier.wait(CLIENT_TIMEOUT)
+            for _ in range(2):
+                complete(url, "Count to three:", client)
+
+        threads = [threading.Thread(target=send, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(CLIENT_TIMEOUT)
+    finally:
+        for c in clients:
+            c.close()
+    # whichever front answers the scrape, it counts all twelve, and the one engine once
+    for _ in range(4):
+        assert total(url, "llmgw_requests_total", route="/v1/completions") == before + 12
+        assert len(samples(url, "llmgw_engine_kv_blocks_total")) == 1
+    assert total(url, "llmgw_requests_in_flight", route="/v1/completions") == 0
+
+
+def test_a_front_killed_under_load_fails_only_its_requests_and_is_started_again(fronts_gateway: str) -> None:
+    url = fronts_gateway
+    worker_pid = engine_workers(url)[0].pid
+    results: dict[int, Any] = {}
+    streaming = threading.Barrier(7)
+
+    def stream(i: int) -> None:
+        try:
+            with httpx.Client() as client, client.stream("POST", f"{url}/v1/completions", json=STORY,
+                                                         headers=HEADERS, timeout=CLIENT_TIMEOUT) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: {"))
+                streaming.wait(CLIENT_TIMEOUT)
+                results[i] = [line for line in lines if line.startswith("data: ")]
+        except httpx.TransportError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    streaming.wait(CLIENT_TIMEOUT)  # every stream has its first token
+    # the front holding the most of the six connections dies without a word
+    port = int(url.rsplit(":", 1)[1])
+    held = {p.pid: sum(1 for c in p.net_connections("tcp") if c.laddr and c.laddr.port == port and c.raddr)
+            for p in fronts(url)}
+    victim = max(held, key=lambda pid: held[pid])
+    assert held[victim] > 0
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(CLIENT_TIMEOUT)
+
+    cut = [r for r in results.values() if isinstance(r, Exception)]
+    finished = [r for r in results.values() if not isinstance(r, Exception)]
+    assert len(results) == 6 and len(cut) == held[victim]  # the killed front's clients see their connection end
+    for lines in finished:  # the other front's streams run to their end
+        assert lines[-1] == "data: [DONE]"
+    # the engine worker aborted the dead front's sequences: every block free again, the worker never restarted
+    wait_until(lambda: engine_idle(url), "the dead front's sequences aborted in the engine worker")
+    assert engine_workers(url)[0].pid == worker_pid
+    wait_until(lambda: len(fronts(url)) == 2 and victim not in {p.pid for p in fronts(url)}, "the front started again")
+    wait_until(lambda: all(answers(url) for _ in range(6)), "both fronts serving")
+
+
+def test_an_engine_worker_killed_is_restarted_once_and_every_front_serves_again(fronts_gateway: str) -> None:
+    url = fronts_gateway
+    [worker] = engine_workers(url)
+    results: list[httpx.Response] = []
+
+    def whole() -> None:
+        results.append(httpx.post(f"{url}/generate", json={"inputs": "Write a long poem", "parameters":
+                                                           {"max_new_tokens": 1500}}, headers=HEADERS,
+                                  timeout=CLIENT_TIMEOUT))
+
+    thread = threading.Thread(target=whole)
+    thread.start()
+    wait_until(lambda: total(url, "llmgw_engine_running_seqs") == 1, "the request running")
+    worker.kill()
+    thread.join(CLIENT_TIMEOUT)
+    assert results[0].status_code == 503 and results[0].json()["error_type"] == "unavailable"
+    wait_until(lambda: len(engine_workers(url)) == 1 and engine_workers(url)[0].pid != worker.pid,
+               "one new engine worker")
+    # a front's health check may not have run yet: each front attached again once six answers in a row come
+    wait_until(lambda: all(answers(url) for _ in range(6)), "every front attached to the new worker")
+    texts = {complete(url, "The capital of France is")["choices"][0]["text"] for _ in range(6)}
+    assert len(texts) == 1
+
+
+def answers(url: str) -> bool:
+    body = {"prompt": "Hi", "max_tokens": 2}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=CLIENT_TIMEOUT).status_code == 200
+
+
+def test_sigterm_drains_every_front_and_leaves_no_process(tmp_path: Path) -> None:
+    with running_gateway(FRONTS_CONFIG, tmp_path) as url:
+        wait_until(lambda: len(fronts(url)) == 2, "two fronts")
+        family = [supervisor(url), *supervisor(url).children(recursive=True)]
+        lines: list[str] = []
+        first_token = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json={**STORY, "max_tokens": 40},
+                              headers=HEADERS, timeout=CLIENT_TIMEOUT) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        first_token.set()
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert first_token.wait(CLIENT_TIMEOUT)
+        PROCESSES[url].send_signal(signal.SIGTERM)
+        thread.join(CLIENT_TIMEOUT)
+        assert PROCESSES[url].wait(CLIENT_TIMEOUT) == 0
+        assert lines[-1] == "data: [DONE]" and len(lines) > 40  # the stream in flight ended whole
+        gone, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive
