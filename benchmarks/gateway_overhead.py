@@ -2,11 +2,14 @@
 backend) and through LiteLLM's proxy (one worker each), measured in one run.
 
     .venv/bin/python benchmarks/gateway_overhead.py --litellm-python .venv-litellm/bin/python [--state-variants]
-        [--portkey 1.15.2]
+        [--fronts-variants] [--portkey 1.15.2]
 
 Measures, for each target: non-streaming latency at concurrency 1, streaming TTFT at concurrency 1,
 and the saturated non-streaming and streaming request rates at concurrency 16. --portkey VERSION adds
 Portkey's open-source gateway, installed from npm at benchmark time (node and npm needed).
+
+--fronts-variants adds `[server] workers = 1` against "auto" (a front per core), each with a stored key on
+SQLite, the `[state]` that several fronts need.
 
 --state-variants adds what a stored API key plus usage recording costs: the gateway with `[state]` on
 SQLite (gw-key-sqlite) and on Postgres with the Redis-shared limiter (gw-key-pg-redis, a key with rpm
@@ -37,6 +40,7 @@ MASTER_KEY = "sk-" + "5f" * 32  # LiteLLM refuses to start without one; keyless 
 ADMIN_KEY = "admin-" + "7a" * 16
 BODY = {"model": "mock", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 16}
 STATE_TARGETS = {"added_p50_ms": 0.3, "c16_ratio": 0.9}  # issue 34: vs the keyless, stateless gateway
+FRONTS_TARGETS = {"added_p50_ms": 0.5, "c16_ratio": 1.7}  # issue 37: every front vs one, on 2 cores
 
 
 async def measure(port: int, token: str, requests: int, seconds: float,
@@ -70,8 +74,13 @@ def gateway_variants(args: argparse.Namespace, logs: Path, pg: services.Postgres
     if args.telemetry_variants:
         variants["gw-telemetry-off"] = ("telemetry = false\n", "", None, None)
         variants["gw-traces-on"] = ('traces = "console"\n', "", None, None)
+    admin = f'admin_key = "{ADMIN_KEY}"\n'
+    if args.fronts_variants:  # one front against one per core, both with the [state] several fronts need
+        for name, workers in (("gw-fronts-1", "1"), ("gw-fronts-all", '"auto"')):
+            sqlite = f"sqlite:///{logs / name}.db"
+            variants[name] = (f"{admin}workers = {workers}\n", f'[state]\ndatabase = "{sqlite}"\n', {"name": "bench"},
+                              None)
     if pg is not None and redis is not None:
-        admin = f'admin_key = "{ADMIN_KEY}"\n'
         sqlite = f"sqlite:///{logs / 'state.db'}"
         variants["gw-key-sqlite"] = (admin, f'[state]\ndatabase = "{sqlite}"\n', {"name": "bench"}, sqlite)
         postgres = pg.createdb("llmgw")
@@ -176,6 +185,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--telemetry-variants", action="store_true",
                         help="also measure the gateway with telemetry off, and with tracing on (console exporter)")
+    parser.add_argument("--fronts-variants", action="store_true",
+                        help="also measure `[server] workers = 1` against \"auto\" (one front per core), "
+                             "each with a stored key on SQLite")
     parser.add_argument("--state-variants", action="store_true",
                         help="also measure a stored key + usage recording (SQLite; Postgres + Redis), and LiteLLM "
                              "with its Postgres spend tracking (with --litellm-python)")
@@ -281,6 +293,7 @@ def report(results: dict) -> None:
     for name in ("gw-key-sqlite", "gw-key-pg-redis"):
         versus(name, "llm-gateway", STATE_TARGETS)
     versus("litellm-db", "litellm")
+    versus("gw-fronts-all", "gw-fronts-1", FRONTS_TARGETS)
     for name, rows in results.get("state_rows", {}).items():
         print(f"{name} rows after the run: " + ", ".join(f"{t} {n}" for t, n in rows.items()))
     if "litellm_db_check" in results:

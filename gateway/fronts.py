@@ -220,8 +220,7 @@ class FrontSupervisor:
 
 def _engine_workers(config: GatewayConfig) -> list[Any]:
     """The engine worker processes the config's backends run (one per engine backend or pool replica)."""
-    from backends.engine_worker.client import EngineWorkerBackend
-    from gateway.state import build_backends, engines_of
+    from backends.pool.build import engine_workers_of
+    from gateway.state import build_backends
 
-    return [member for name, backend in build_backends(config).items()
-            for _, member in engines_of(name, backend) if isinstance(member, EngineWorkerBackend)]
+    return [worker for backend in build_backends(config).values() for worker in engine_workers_of(backend)]

@@ -148,7 +148,7 @@ def test_a_killed_worker_fails_its_requests_with_the_protocols_error_and_comes_b
             results["openai"] = list(chunks)
 
     def tgi_stream() -> None:
-        body = {"inputs": "Tell me a story", "parameters": long}
+        body = {"inputs": "Write a long poem", "parameters": long}  # greedy: ~130 tokens ("Tell me a story": 6)
         with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=CLIENT_TIMEOUT) as r:
             chunks = sse_data(r.iter_lines())
             results["tgi_first"] = next(chunks)

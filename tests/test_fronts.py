@@ -231,3 +231,39 @@ def test_sigterm_drains_every_front_and_leaves_no_process(tmp_path: Path) -> Non
         assert lines[-1] == "data: [DONE]" and len(lines) > 40  # the stream in flight ended whole
         gone, alive = psutil.wait_procs(family, timeout=30)
         assert not alive
+
+
+POOL_CONFIG = FRONTS_CONFIG.replace('workers = "process"\n', 'workers = "process"\nreplicas = 2\nbalance = "prefix"\n')
+SHARED_PREFIX = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+
+
+def serving_front(url: str, response: httpx.Response) -> int:
+    """The pid of the front holding this response's connection."""
+    client_port = response.extensions["network_stream"].get_extra_info("client_addr")[1]
+    port = int(url.rsplit(":", 1)[1])
+    for p in fronts(url):
+        for c in p.net_connections("tcp"):
+            if c.laddr and c.laddr.port == port and c.raddr and c.raddr.port == client_port:
+                return p.pid
+    raise AssertionError("no front holds the connection")
+
+
+def test_prefix_routing_keeps_a_shared_prefix_on_one_replica_whichever_front_takes_it(tmp_path: Path) -> None:
+    with running_gateway(POOL_CONFIG, tmp_path) as url:
+        wait_until(lambda: len(fronts(url)) == 2 and len(engine_workers(url)) == 2, "two fronts, two replicas")
+        served_by: list[int] = []
+        # one request at a time, each on a new connection, until both fronts have taken some
+        while len(served_by) < 8 or len(set(served_by)) < 2:
+            assert len(served_by) < 40, "the kernel never handed a connection to the second front"
+            body = {"prompt": f"{SHARED_PREFIX} Question {len(served_by)}:", "max_tokens": 2, "stream": True}
+            with httpx.Client() as client, client.stream("POST", f"{url}/v1/completions", json=body,
+                                                         headers=HEADERS, timeout=CLIENT_TIMEOUT) as r:
+                assert r.status_code == 200
+                served_by.append(serving_front(url, r))
+                assert [line for line in r.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
+        choices = samples(url, "llmgw_balancer_choices_total")
+        by_reason = {(labels["replica"], labels["reason"]): v for labels, v in choices if v}
+        # the first went to a replica cold; every later one, on either front, found the prefix there
+        [(first_replica, reason)] = [key for key in by_reason if key[1] != "prefix_hit"]
+        assert reason == "cold" and by_reason[(first_replica, "cold")] == 1
+        assert by_reason == {(first_replica, "cold"): 1, (first_replica, "prefix_hit"): len(served_by) - 1}

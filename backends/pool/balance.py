@@ -43,7 +43,7 @@ the least-loaded replica (reason `least_load`); `round_robin` takes replicas in 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -121,6 +121,7 @@ class PrefixAware:
         self.settings = settings
         self.index = index or PrefixIndex(settings.prefix_capacity)
         self.loads = LeastLoad(settings.stale_seconds)
+        self.listeners: list[Callable[[str, list[int]], None]] = []  # (replica, hashes) of each choice
 
     def imbalanced(self, candidates: Sequence[Replica]) -> bool:
         stale = self.settings.stale_seconds
@@ -133,6 +134,8 @@ class PrefixAware:
     def choose(self, candidates: Sequence[Replica], hashes: list[int]) -> Choice:
         choice = self._choose(candidates, hashes)
         self.index.insert(choice.replica.id, hashes)
+        for listener in self.listeners:  # the other fronts of this gateway learn it too (gateway/prefix_feed.py)
+            listener(choice.replica.id, hashes)
         return choice
 
     def _choose(self, candidates: Sequence[Replica], hashes: list[int]) -> Choice:

@@ -97,3 +97,15 @@ class _NamesPool(PoolBackend):
                         len(self.replicas))
             return None
         return list(dict.fromkeys(url for urls in found for url in urls))
+
+
+def engine_workers_of(backend: Backend) -> list[Backend]:
+    """The engine worker backends `backend` runs: itself, or an engine pool's replicas (made here, unstarted:
+    a pool makes its own only when it starts). A multi-process gateway's supervisor starts these."""
+    from backends.engine_worker import EngineWorkerBackend
+
+    if isinstance(backend, DisaggregatedPool):
+        return engine_workers_of(backend.prefill) + engine_workers_of(backend.decode)
+    if isinstance(backend, PoolBackend):
+        return [backend.factory(rid) for rid in backend.fixed_ids] if backend.type_name == "engine" else []
+    return [backend] if isinstance(backend, EngineWorkerBackend) else []
