@@ -22,6 +22,7 @@ from tests.server import CLIENT_TIMEOUT, ENGINE_CONFIG, PROCESSES, running_gatew
 FRONTS_CONFIG = ENGINE_CONFIG.replace('type = "engine"\n', 'type = "engine"\nworkers = "process"\n') + """
 [server]
 workers = 2
+admin_key = "fronts-admin-key"
 health_check_interval = 0.2
 eject_cooldown = 1.0
 
@@ -133,6 +134,20 @@ def test_metrics_sum_the_requests_of_every_front_and_show_the_engine_once(fronts
         assert total(url, "llmgw_requests_total", route="/v1/completions") == before + 12
         assert len(samples(url, "llmgw_engine_kv_blocks_total")) == 1
     assert total(url, "llmgw_requests_in_flight", route="/v1/completions") == 0
+
+
+def test_a_key_made_through_one_front_works_at_once_on_every_front(fronts_gateway: str) -> None:
+    url = fronts_gateway
+    made = httpx.post(f"{url}/admin/keys", json={"name": "made-just-now"}, timeout=CLIENT_TIMEOUT,
+                      headers={"authorization": "Bearer fronts-admin-key"})
+    assert made.status_code in (200, 201), made.text
+    secret = made.json()["key"]
+    # at once, on new connections (both fronts): none waits for the other front's next key refresh (2 s)
+    statuses = [httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {secret}"},
+                          timeout=CLIENT_TIMEOUT).status_code for _ in range(8)]
+    assert statuses == [200] * 8
+    wrong = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer not-a-key-at-all"}, timeout=CLIENT_TIMEOUT)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_a_front_killed_under_load_fails_only_its_requests_and_is_started_again(fronts_gateway: str) -> None:

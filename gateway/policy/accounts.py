@@ -5,7 +5,9 @@ shared through Redis when `redis` is set."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
 from gateway.config import GatewayConfig
@@ -21,6 +23,7 @@ from gateway.store.usage import usage_row
 from gateway.telemetry.record import RequestRecord
 
 log = logging.getLogger("llmgw")
+RECHECK_SECONDS = 0.25
 
 
 class Accounts:
@@ -32,12 +35,26 @@ class Accounts:
                                         share=share) if state is not None else make_limiter(None, share=share))
         self.store = StateStore(state, self.quota.limiter, self._stored_keys) if state is not None else None
         self.keys = KeyRing(config, None, store_enabled=self.store is not None)
+        self._recheck: asyncio.Future[bool] | None = None
+        self._recheck_at = 0.0
         self.responses: MemoryResponses | PersistedResponses = (
             self.store.responses if self.store is not None else MemoryResponses())
 
     async def open(self) -> None:
         if self.store is not None:
             await self.store.open()
+
+    async def recheck(self) -> bool:
+        """A key not in the snapshot: the stored keys read again, at most once every RECHECK_SECONDS (all the
+        misses meanwhile wait for that one read). So a key works at once on every front and replica, not
+        after the next refresh, and a flood of wrong keys costs a few reads a second. False: no store."""
+        if self.store is None:
+            return False
+        now = time.monotonic()
+        if self._recheck is None or (self._recheck.done() and now - self._recheck_at >= RECHECK_SECONDS):
+            self._recheck_at = now
+            self._recheck = asyncio.ensure_future(self.store.snapshot.refresh())
+        return await asyncio.shield(self._recheck)
 
     def _stored_keys(self, keys: list[StoredKey]) -> None:
         self.keys = KeyRing(self.config, keys, store_enabled=True)

@@ -74,7 +74,13 @@ class AuthMiddleware:
         try:
             principal = keys.authenticate(header)
         except GatewayError as err:
-            return await _reply(scope, send, err)
+            # a key made a moment ago on another front or replica: read the stored keys again, then decide
+            if err.code != "invalid_api_key" or not await self.gateway.accounts.recheck():
+                return await _reply(scope, send, err)
+            try:
+                principal = self.gateway.keys.authenticate(header)
+            except GatewayError as again:
+                return await _reply(scope, send, again)
         token = current_principal.set(principal)
         counted = request_counted.set([False])
         if (rec := current_record.get()) is not None:
