@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import socket
 import sys
 
 from gateway.cli_admin import admin_request
 from gateway.cli_rollout import add_parsers as add_rollout_parsers
 from gateway.cli_state import add_parsers as add_state_parsers
 from gateway.config import ConfigError, load_config
-from gateway.fronts import FRONT_FD_ENV, FrontSupervisor, front, resolved_workers
+from gateway.fronts import FrontSupervisor, front, resolved_workers, reuse_port_socket
 from gateway.migration_report import format_report
 from gateway.telemetry.logging import configure_logging
 
@@ -41,8 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, access_log=False),  # our own access log
                             app.state.gateway)
-    # a front serves the socket its supervisor bound and passed down
-    server.run(sockets=[socket.socket(fileno=int(os.environ[FRONT_FD_ENV]))] if here is not None else None)
+    # a front listens on a socket of its own beside the other fronts' (SO_REUSEPORT)
+    server.run(sockets=[reuse_port_socket(host, port, listen=True)] if here is not None else None)
     return 0
 
 

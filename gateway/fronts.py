@@ -1,8 +1,8 @@
 """`[server] workers = N`: one port served by N front processes, as vLLM's `--api-server-count`.
 
-`llmgw serve` becomes a supervisor: it binds the port, starts the engine workers of every engine backend
+`llmgw serve` becomes a supervisor: it holds the port, starts the engine workers of every engine backend
 (each also takes Attach messages at an address under its run directory), and starts N fronts, each an
-ordinary gateway process serving the inherited socket (the kernel hands each connection to one of them).
+ordinary gateway process listening on the port with SO_REUSEPORT (the kernel spreads connections evenly).
 In a front, engine backends attach to the supervisor's workers instead of starting their own
 (backends/engine_worker/attached.py), so the model is loaded once and every front feeds the same batch.
 
@@ -36,7 +36,6 @@ from gateway.config import GatewayConfig
 
 log = logging.getLogger("llmgw")
 FRONT_ENV = "LLMGW_FRONT"  # "k/N" in front k of N
-FRONT_FD_ENV = "LLMGW_FRONT_FD"  # the listening socket a front inherits
 RESTART_DELAY = 1.0  # seconds before a front that died is started again
 STOP_TIMEOUT = 10.0  # seconds past the drain timeout before a front that ignores SIGTERM is killed
 
@@ -68,13 +67,17 @@ def first_front() -> bool:
     return here is None or here[0] == 0
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def reuse_port_socket(host: str, port: int, listen: bool) -> socket.socket:
+    """A socket on host:port with SO_REUSEPORT: each front listens on one of its own and the kernel spreads new
+    connections over them evenly (one shared socket let whichever front woke first take a whole burst);
+    the supervisor's, bound but not listening, holds the port and takes none."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
+    if listen:
+        sock.listen(2048)
     return sock
 
 
@@ -84,7 +87,7 @@ class FrontSupervisor:
         self.config_path = config_path
         self.count = resolved_workers(config)
         self.log_level = log_level
-        self.sock = listening_socket(host, port)
+        self.sock = reuse_port_socket(host, port, listen=False)
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmgw-fronts-"))
         self.metrics_dir = self.run_dir / "metrics"
         self.metrics_dir.mkdir()
@@ -210,12 +213,12 @@ class FrontSupervisor:
         from backends.engine_worker.attached import ATTACH_ENV
         from backends.engine_worker.connection import RUN_DIR_ENV
 
-        fd = self.sock.fileno()
-        env = {**os.environ, FRONT_ENV: f"{index}/{self.count}", FRONT_FD_ENV: str(fd), ATTACH_ENV: "1",
-               RUN_DIR_ENV: str(self.run_dir), "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+        host, port = self.sock.getsockname()[:2]
+        env = {**os.environ, FRONT_ENV: f"{index}/{self.count}", ATTACH_ENV: "1", RUN_DIR_ENV: str(self.run_dir),
+               "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "serve", "--config", self.config_path, "--log-level", self.log_level,
-            env=env, pass_fds=(fd,))
+            sys.executable, "-m", "gateway", "serve", "--config", self.config_path, "--host", host, "--port", str(port),
+            "--log-level", self.log_level, env=env)
 
 
 def _engine_workers(config: GatewayConfig) -> list[Any]:
