@@ -17,7 +17,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 
 from backends.base import Backend
-from gateway import __version__
+from gateway import __version__, sse
 from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import GatewayError
 from gateway.generation import ClientGone
@@ -96,6 +96,7 @@ def _on_unexpected(request: Request, exc: Exception) -> Response:
 def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None,
                config_path: str | Path | None = None, tracer_provider: Any = None) -> Litestar:
     gateway = Gateway(config, backends, config_path, tracer_provider)
+    sse.keepalive_seconds = config.server.sse_keepalive
     series = BackendSeries()  # the console's charts: /admin/series
     gateway.request_observers.append(series.observe)
 

@@ -146,6 +146,8 @@ def parse_config(text: str, source: str = "<memory>") -> GatewayConfig:
         if key not in _TOP_LEVEL:
             raise ConfigError(f"{key}: unknown key (expected one of {sorted(_TOP_LEVEL)})")
     server = _convert(raw.get("server", {}), ServerConfig, "server")
+    if server.sse_keepalive <= 0:
+        raise ConfigError(f"server.sse_keepalive: must be > 0, got {server.sse_keepalive:g}")
     auth = _convert(raw.get("auth", {}), AuthConfig, "auth")
     state = _check_state(_convert(raw["state"], StateConfig, "state")) if "state" in raw else None
     if state is not None and state.record_usage and not server.telemetry:

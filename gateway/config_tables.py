@@ -69,6 +69,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Seconds one response write may wait on a client that does not read."""
     drain_timeout: float = 30.0
     """On SIGTERM: seconds requests in flight get to finish before exit."""
+    sse_keepalive: float = 15.0
+    """Seconds a stream may go without an event before it gets a keep-alive comment (`:`), as TGI's axum."""
     workers: int | Literal["auto"] = 1
     """Front-end processes serving the port, as vLLM's `--api-server-count` ("auto": one per core this process
     may use). Over 1, they share the engine workers, the `[state]` store (required) and /metrics."""

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from litestar.response import Stream
+from litestar.response.streaming import ASGIStreamingResponse
+from litestar.types import Receive, Send
 
 from gateway.closing import close_detached
 
 KEEPALIVE = b":\n\n"  # a comment line, as axum's KeepAlive sends
+KEEPALIVE_SECONDS = 15.0  # axum's KeepAlive default (TGI)
+keepalive_seconds = KEEPALIVE_SECONDS  # this process's: `[server] sse_keepalive`, set when the app is made
 DONE = b"data: [DONE]\n\n"
 
 _encoder = msgspec.json.Encoder()
@@ -22,55 +26,74 @@ def sse_event(payload: Any) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
 
 
-async def with_keepalive(events: AsyncIterator[bytes], interval: float = 15.0) -> AsyncIterator[bytes]:
-    """Pass events through; send a keep-alive comment whenever `interval` seconds pass without one. Events
-    that are ready together are written together (never held back for company).
+class SSEStream(Stream):
+    """`text/event-stream` written from the request's own task (Litestar's Stream runs a task group with the
+    iterator in a second task, and a keep-alive wrapper would add a third and a queue: about 0.1 ms on every
+    first token). One watcher task per response waits for the client's disconnect, which cancels the
+    writing task and so closes the event stream (aborting the engine request or the upstream one), and
+    sends a keep-alive comment whenever `keepalive_seconds` pass without a write, as axum's KeepAlive."""
 
-    One producer task per stream feeds a queue; waiting on the queue can time out without
-    disturbing the producer (cancelling a pending `__anext__` would close the stream).
-    """
-    queue: asyncio.Queue[tuple[bytes | None, BaseException | None]] = asyncio.Queue(maxsize=64)
+    def __init__(self, events: AsyncIterator[bytes], *, headers: dict[str, str] | None = None,
+                 status_code: int = 200) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers, status_code=status_code)
 
-    async def produce() -> None:
+    def to_asgi_response(self, app: Any, request: Any, **kwargs: Any) -> Any:
+        response = super().to_asgi_response(app, request, **kwargs)
+        response.__class__ = _SSEBody  # the same response, its body sent by the method below
+        return response
+
+
+class _SSEBody(ASGIStreamingResponse):
+    __slots__ = ()
+
+    async def send_body(self, send: Send, receive: Receive) -> None:
+        events = self.iterator
+        writer = _Writer(send)
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.ensure_future(_watch(receive, task, writer, keepalive_seconds))
         try:
-            async for item in events:
-                await queue.put((item, None))
-            await queue.put((None, None))
-        except Exception as exc:
-            await queue.put((None, exc))
-        finally:  # cancelled (the client left): `events` must still run its cleanup
-            await close_detached(events)
+            async for chunk in events:  # type: ignore[union-attr]
+                await writer.write(chunk if isinstance(chunk, bytes) else chunk.encode())
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if writer.gone and task.uncancel() == 0:
+                return  # the client left (the watcher's cancel, nobody else's): nobody to answer
+            raise
+        finally:
+            watcher.cancel()
+            await close_detached(events)  # type: ignore[arg-type]
 
-    producer = asyncio.create_task(produce())
-    try:
-        while True:
-            try:
-                item, error = queue.get_nowait()  # the producer is ahead: no timer to arm
-            except asyncio.QueueEmpty:
-                try:
-                    async with asyncio.timeout(interval):
-                        item, error = await queue.get()
-                except TimeoutError:
-                    yield KEEPALIVE
-                    continue
-            if error is not None:
-                raise error
-            if item is None:
-                return
-            # what else is queued already goes in the same write: one send to the client, not one per event
-            batch, end = [item], None
-            while not queue.empty():
-                more = queue.get_nowait()
-                if more[0] is None:
-                    end = more
-                    break
-                batch.append(more[0])
-            yield batch[0] if len(batch) == 1 else b"".join(batch)
-            if end is not None:
-                if end[1] is not None:
-                    raise end[1]
-                return
-    finally:
-        producer.cancel()
-        with contextlib.suppress(BaseException):
-            await producer
+
+class _Writer:
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()  # of the last write
+        self.sending = False
+        self.gone = False  # the client disconnected
+
+    async def write(self, chunk: bytes) -> None:
+        self.sending = True
+        try:
+            await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            self.sending = False
+            self.last = self.loop.time()
+
+
+async def _watch(receive: Receive, task: asyncio.Task[Any], writer: _Writer, interval: float) -> None:
+    """Until the client disconnects (then cancel the writing task): a keep-alive comment after each
+    `interval` seconds without a write. The request body has been read: the next message is a disconnect."""
+    while True:
+        try:
+            async with asyncio.timeout(max(0.0, writer.last + interval - writer.loop.time())):
+                message = await receive()
+        except TimeoutError:
+            if not writer.sending and writer.loop.time() - writer.last >= interval:
+                await writer.write(KEEPALIVE)
+            continue
+        if message["type"] == "http.disconnect":
+            writer.gone = True
+            task.cancel()
+            return

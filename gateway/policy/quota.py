@@ -58,8 +58,8 @@ class Quota:
 
     def settle(self, reservation: Reservation | None, used: int) -> None:
         """Settle in the background: the response is not held up by the limit store."""
-        if reservation is None or reservation.settled:
-            return
+        if reservation is None or self.limiter.settle_at_once(reservation, used):
+            return  # nothing to settle, or settled without I/O (a leased or local limit): no task
         task = asyncio.create_task(self._settle(reservation, used))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)

@@ -61,7 +61,7 @@ from gateway.protocol.openai import (
 )
 from gateway.routing.admission import Admission
 from gateway.routing.router import ModelRoute
-from gateway.sse import DONE, sse_event, with_keepalive
+from gateway.sse import DONE, SSEStream, sse_event
 from gateway.state import Gateway
 from gateway.telemetry.record import current_record
 from gateway.tools.calls import parsed
@@ -332,8 +332,7 @@ async def start_streams(gw: Gateway, route: ModelRoute,
 
 async def stream_response(events: AsyncIterator[bytes], served: list[Served], route: ModelRoute) -> Stream:
     await events.__anext__()  # primed: from here its `finally` runs however the response ends
-    return Stream(with_keepalive(events), media_type="text/event-stream",
-                  headers=SSE_HEADERS | route.served_headers(served[0].backend))
+    return SSEStream(events, headers=SSE_HEADERS | route.served_headers(served[0].backend))
 
 
 async def _sse(admission: Admission, served: list[Served], render: Callable[[int, TokenEvent], bytes | None],

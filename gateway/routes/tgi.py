@@ -35,7 +35,7 @@ from gateway.protocol.tgi import (
 )
 from gateway.routing.admission import Admission
 from gateway.routing.router import ModelRoute
-from gateway.sse import sse_event, with_keepalive
+from gateway.sse import SSEStream, sse_event
 from gateway.state import Gateway
 from gateway.telemetry.record import current_record
 
@@ -194,8 +194,7 @@ class TgiController(Controller):
             return Stream(_error_stream(exc), media_type="text/event-stream", headers=headers, status_code=200)
         body = _stream_events(admission, served, v)
         await body.__anext__()
-        return Stream(with_keepalive(body), media_type="text/event-stream",
-                      headers=headers | route.served_headers(served.backend), status_code=200)
+        return SSEStream(body, headers=headers | route.served_headers(served.backend))
 
     @post("/generate", summary="Generate tokens", operation_id="generate")
     async def generate(self, data: GenerateRequest, gateway: Gateway, request: Request) -> Response:

@@ -69,6 +69,9 @@ class Limiter(Protocol):
 
     async def admit(self, limits: KeyLimits, amount: int, count_request: bool = True) -> Reservation: ...
     async def settle(self, reservation: Reservation, used: int) -> None: ...
+    def settle_at_once(self, reservation: Reservation, used: int) -> bool:
+        """Settle now if that needs no I/O (then True); else the caller awaits settle()."""
+        ...
     def seed(self, key: str, day_used: int, month_used: int) -> None: ...
     def status(self) -> dict[str, object]: ...
     async def aclose(self) -> None: ...
@@ -174,8 +177,12 @@ class LocalLimiter:
         return r
 
     async def settle(self, reservation: Reservation, used: int) -> None:
+        self.settle_at_once(reservation, used)
+
+    def settle_at_once(self, reservation: Reservation, used: int) -> bool:
+        """Always at once: the counts are in this process."""
         if reservation.settled:
-            return
+            return True
         reservation.settled = True
         limits, key = reservation.limits, reservation.limits.key
         for kind, period, limit in (("d", reservation.day, limits.tokens_per_day),
@@ -190,6 +197,7 @@ class LocalLimiter:
         if limits.tpm is not None:
             b = self._bucket(key, "tpm", limits.tpm, self._clock())
             b.level = min(float(limits.tpm), b.level + reservation.amount - used)
+        return True
 
     def seed(self, key: str, day_used: int, month_used: int) -> None:
         day, month, _, _ = periods(self._clock())

@@ -311,14 +311,10 @@ class RedisLimiter:
     async def settle(self, reservation: Reservation, used: int) -> None:
         """Once per reservation. An unenforced one (admitted while Redis was down) records `used` in the
         windows and the tpm bucket if Redis is back, as if nothing had been reserved."""
-        if reservation.settled:
+        if self.settle_at_once(reservation, used):
             return
         reservation.settled = True
         limits = reservation.limits
-        if not (limits.tpm is not None or limits.tokens_per_day is not None or limits.tokens_per_month is not None):
-            return
-        if reservation.lease is not None and reservation.lease.refund(reservation.amount - used):
-            return  # back into this replica's share; it reaches Redis with the lease's rest
         amount = reservation.amount if reservation.enforced else 0
         args = [reservation.id, str(amount), str(used), _arg(limits.tpm),
                 reservation.day if limits.tokens_per_day is not None else "",
@@ -327,6 +323,19 @@ class RedisLimiter:
             await self._run(self._settles, self._settle, [self._base(limits.key)], args)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("settle", exc)
+
+    def settle_at_once(self, reservation: Reservation, used: int) -> bool:
+        """Nothing to count (no tpm, no budget), or a leased reservation: settled here, without Redis."""
+        if reservation.settled:
+            return True
+        limits = reservation.limits
+        if not (limits.tpm is not None or limits.tokens_per_day is not None or limits.tokens_per_month is not None):
+            reservation.settled = True
+            return True
+        if reservation.lease is not None and reservation.lease.refund(reservation.amount - used):
+            reservation.settled = True  # back into this replica's share; it reaches Redis with the lease's rest
+            return True
+        return False
 
     def seed(self, key: str, day_used: int, month_used: int) -> None:
         """Nothing to do: the counts live in Redis and survive gateway restarts."""
