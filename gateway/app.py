@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -105,6 +106,10 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
         await gateway.accounts.open()  # a state database with a schema it does not know stops the start here
         await gateway.rollouts.open()  # a rollout in progress resumes at its stored step
         gateway.start_backends()
+        # what imports and start-up made lives as long as the process: out of the collector's way, or each full
+        # collection walks some 300,000 objects (about 130 ms; a quarter of the CPU at saturation), as vLLM does
+        gc.collect()
+        gc.freeze()
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGHUP reloads the config file
             loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload_logged(gateway)))

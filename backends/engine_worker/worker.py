@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import inspect
 import logging
 import os
@@ -270,6 +271,8 @@ class Worker:
             self.broadcast(StartFailed(describe(starting.exception())))  # type: ignore[arg-type]
             code = 1
         elif starting.done():
+            gc.collect()
+            gc.freeze()  # the loaded model's objects: never walked again by a full collection (as vLLM's core)
             self.watch_engine(loop)
             self.ready = Ready(self.backend.info(), self.backend.dtype(), self.figures())
             self.broadcast(self.ready)
