@@ -30,10 +30,11 @@ class KeyLimits:
     tpm: int | None = None  # prompt + completion tokens
     tokens_per_day: int | None = None  # UTC calendar day
     tokens_per_month: int | None = None  # UTC calendar month
+    limited: bool = field(init=False, compare=False)  # any limit at all (read on every request: worked out once)
 
-    @property
-    def limited(self) -> bool:
-        return any(v is not None for v in (self.rpm, self.tpm, self.tokens_per_day, self.tokens_per_month))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "limited", any(v is not None for v in (self.rpm, self.tpm, self.tokens_per_day,
+                                                                         self.tokens_per_month)))
 
 
 @dataclass

@@ -12,6 +12,7 @@ Unreachable or slow Redis: fail_open admits unenforced (counted in status()), el
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -193,6 +194,7 @@ class RedisLimiter:
         self.fail_open, self.reservation_ttl, self.timeout, self.prefix = fail_open, reservation_ttl, timeout, prefix
         self.lease_fraction = lease_fraction
         self._leases: dict[str, Lease] = {}  # by key name: this replica's shares of per-minute buckets
+        self._ids = itertools.count()
         self._leasing: dict[str, asyncio.Lock] = {}  # one lease request per key at a time
         self._returning: set[asyncio.Task[None]] = set()
         # one retry on a fresh connection (a pooled one broken by a Redis restart), no backoff: fail fast
@@ -221,13 +223,13 @@ class RedisLimiter:
         self._available = False
 
     async def admit(self, limits: KeyLimits, amount: int, count_request: bool = True) -> Reservation:
-        rid = uuid.uuid4().hex
         if not limits.limited:  # nothing to count: no round trip
             day, month, _, _ = periods(time.time())
-            return Reservation(limits, amount, rid, day, month)
+            return Reservation(limits, amount, uuid.uuid4().hex, day, month)
         sizes = lease_sizes(limits, amount, self.lease_fraction)
-        if sizes is not None:
-            return await self._admit_leased(limits, amount, count_request, rid, sizes)
+        if sizes is not None:  # its id names no hold in Redis: a counter will do
+            return await self._admit_leased(limits, amount, count_request, f"lease-{next(self._ids)}", sizes)
+        rid = uuid.uuid4().hex
         args = [rid, str(amount), "1" if count_request else "0", _arg(limits.rpm), _arg(limits.tpm),
                 _arg(limits.tokens_per_day), _arg(limits.tokens_per_month), str(int(self.reservation_ttl * 1000))]
         try:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import operator
 import sqlite3
 import time
 from collections import deque
@@ -103,7 +105,7 @@ class UsageWriter:
         async with self.engine.connect() as conn:
             raw = await conn.get_raw_connection()
             await raw.driver_connection.copy_records_to_table(  # type: ignore[union-attr]
-                usage.name, records=[tuple(row[name] for name in COLUMNS) for row in rows], columns=COLUMNS)
+                usage.name, records=list(map(_in_column_order, rows)), columns=COLUMNS)
 
     def _write_sqlite(self, rows: list[dict[str, Any]]) -> None:
         """SQLite: written from the event loop's own thread, one multi-row INSERT per 900 rows (about
@@ -141,13 +143,14 @@ class UsageWriter:
 
 
 COLUMNS = [c.name for c in usage.columns if c.name != "id"]
+_in_column_order = operator.itemgetter(*COLUMNS)  # a row's values as the COPY takes them
 SQLITE_ROWS_PER_STATEMENT = 900  # x 17 columns stays under SQLite's 32,766 bound parameters
 
 
 def usage_row(rec: Any, key_name: str | None, log_content: bool) -> dict[str, Any]:
     """The usage row of a finished request, from its RequestRecord."""
     now = time.time()
-    return {"at": now, "day": time.strftime("%Y-%m-%d", time.gmtime(now)), "request_id": rec.request_id,
+    return {"at": now, "day": _utc_day(int(now // 86400)), "request_id": rec.request_id,
             "key_name": key_name, "model": rec.model or None, "backend": rec.backend or None, "route": rec.route,
             "door": door_of(rec.route), "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.generated_tokens,
             "cached_tokens": rec.cached_tokens, "ttft_ms": None if rec.ttft is None else round(rec.ttft * 1000, 3),
@@ -155,6 +158,12 @@ def usage_row(rec: Any, key_name: str | None, log_content: bool) -> dict[str, An
             "status": rec.status, "finish_reason": rec.finish_reason or None,
             "prompt_text": rec.prompt_text if log_content else None,
             "output_text": rec.output_text if log_content else None}
+
+
+@functools.lru_cache(maxsize=4)
+def _utc_day(days: int) -> str:
+    """YYYY-MM-DD of a day number since the epoch (worked out once a day, not once a request)."""
+    return time.strftime("%Y-%m-%d", time.gmtime(days * 86400))
 
 
 def door_of(route: str) -> str:
