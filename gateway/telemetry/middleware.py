@@ -7,14 +7,12 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
+from gateway.telemetry.logging import log_request
 from gateway.telemetry.record import RequestRecord, current_record
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
 
-access_log = structlog.get_logger("llmgw.access")
 QUIET_PATHS = ("/metrics", "/health", "/ping")  # probes and scrapes: neither counted nor logged
 STORED_RESPONSE = "/v1/responses/"
 
@@ -97,4 +95,4 @@ class TelemetryMiddleware:
         if gw.config.server.log_text:
             fields["prompt"] = rec.prompt_text
             fields["output"] = rec.output_text
-        access_log.info("request", **fields)
+        log_request(fields)
