@@ -5,7 +5,9 @@ backend) and through LiteLLM's proxy (one worker each), measured in one run.
         [--fronts-variants] [--portkey 1.15.2]
 
 Measures, for each target: non-streaming latency at concurrency 1, streaming TTFT at concurrency 1,
-and the saturated non-streaming and streaming request rates at concurrency 16. --portkey VERSION adds
+and the saturated non-streaming and streaming request rates at concurrency 16. The gateway's variants run
+--rounds times (3), interleaved, and each figure is the median of its runs: one run's figures moved by 10-20%
+from run to run on a shared 2-core machine. --portkey VERSION adds
 Portkey's open-source gateway, installed from npm at benchmark time (node and npm needed).
 
 --fronts-variants adds `[server] workers = 1` against "auto" (a front per core), each with a stored key on
@@ -26,6 +28,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -48,7 +51,8 @@ async def measure(port: int, token: str, requests: int, seconds: float,
     path, headers = "/v1/chat/completions", {"authorization": f"Bearer {token}", **(extra_headers or {})}
     whole = loadgen.build_request("127.0.0.1", port, path, json.dumps(BODY).encode(), headers)
     stream = loadgen.build_request("127.0.0.1", port, path, json.dumps({**BODY, "stream": True}).encode(), headers)
-    await loadgen.run("127.0.0.1", port, whole, 4, count=100)  # warm-up
+    await loadgen.run("127.0.0.1", port, whole, 16, count=2000)  # warm-up: pools filled, every code path run once
+    await loadgen.run("127.0.0.1", port, stream, 16, count=500)
     out = {}
     out["c1_whole"] = (await loadgen.run("127.0.0.1", port, whole, 1, count=requests)).summary()
     out["c1_stream"] = (await loadgen.run("127.0.0.1", port, stream, 1, count=requests, marker=b"word0")).summary()
@@ -180,6 +184,8 @@ def main() -> None:
     parser.add_argument("--litellm-python", default=None, help="python of a venv with litellm[proxy]")
     parser.add_argument("--portkey", default=None, metavar="VERSION",
                         help="also measure Portkey's gateway, this version of @portkey-ai/gateway from npm")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of every gateway variant, interleaved; each figure is the median of its runs")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--json", type=Path, default=None)
@@ -208,15 +214,25 @@ def main() -> None:
             pg.start()
             redis = services.Redis(logs)
 
-        for name, (server, tables, key_body, database) in gateway_variants(args, logs, pg, redis).items():
-            try:
-                results["targets"][name] = run_gateway(name, server, tables, key_body, mock_port, logs, args, procs)
-                if database:  # after the gateway stopped: what it recorded, to show usage recording ran
-                    results.setdefault("state_rows", {})[name] = services.table_rows(database, pg)
-            except Exception as e:  # a variant that cannot run is noted; the baseline must run
-                if name == "llm-gateway":
-                    raise
-                results["notes"].append(f"{name}: not measured: {type(e).__name__}: {e} (log: {logs / name}.log)")
+        rounds: dict[str, list[dict]] = {}
+        variants = gateway_variants(args, logs, pg, redis)
+        for round_index in range(args.rounds):  # interleaved: a drift of the machine falls on every variant alike
+            for name, (server, tables, key_body, database) in variants.items():
+                if name in rounds and len(rounds[name]) < round_index:
+                    continue  # it failed in an earlier round
+                try:
+                    key = dict(key_body, name=f"{key_body['name']}-{round_index}") if key_body else None
+                    rounds.setdefault(name, []).append(
+                        run_gateway(name, server, tables, key, mock_port, logs, args, procs))
+                    if database:  # after the gateway stopped: what it recorded, to show usage recording ran
+                        results.setdefault("state_rows", {})[name] = services.table_rows(database, pg)
+                except Exception as e:  # a variant that cannot run is noted; the baseline must run
+                    if name == "llm-gateway":
+                        raise
+                    results["notes"].append(f"{name}: not measured: {type(e).__name__}: {e} (log: {logs / name}.log)")
+        for name, runs in rounds.items():
+            results["targets"][name] = median_runs(runs)
+            results.setdefault("rounds", {})[name] = runs
 
         if args.portkey:
             try:
@@ -249,6 +265,15 @@ def main() -> None:
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+
+
+def median_runs(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each phase's figures, the median over the runs (errors: the most in one run); the runs are in the JSON."""
+    def combine(figure: str, values: list[float]) -> float:
+        return max(values) if figure == "errors" else statistics.median(values)  # an error in any run shows
+
+    return {phase: {figure: combine(figure, [run[phase][figure] for run in runs]) for figure in runs[0][phase]}
+            for phase in runs[0]}
 
 
 def p50(r: dict) -> float:
