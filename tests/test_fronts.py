@@ -252,6 +252,11 @@ POOL_CONFIG = FRONTS_CONFIG.replace('workers = "process"\n', 'workers = "process
 SHARED_PREFIX = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
 
 
+def listening(front: psutil.Process, url: str) -> bool:
+    port = int(url.rsplit(":", 1)[1])
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in front.net_connections("tcp"))
+
+
 def serving_front(url: str, response: httpx.Response) -> int:
     """The pid of the front holding this response's connection."""
     client_port = response.extensions["network_stream"].get_extra_info("client_addr")[1]
@@ -266,6 +271,9 @@ def serving_front(url: str, response: httpx.Response) -> int:
 def test_prefix_routing_keeps_a_shared_prefix_on_one_replica_whichever_front_takes_it(tmp_path: Path) -> None:
     with running_gateway(POOL_CONFIG, tmp_path) as url:
         wait_until(lambda: len(fronts(url)) == 2 and len(engine_workers(url)) == 2, "two fronts, two replicas")
+        # both started (a front listens once its app, prefix feed included, is up): a choice published before
+        # the other front subscribed would be lost to it, as to a front that restarts (a cache miss)
+        wait_until(lambda: all(listening(p, url) for p in fronts(url)), "both fronts listening")
         served_by: list[int] = []
         # one request at a time, each on a new connection, until both fronts have taken some
         while len(served_by) < 8 or len(set(served_by)) < 2:

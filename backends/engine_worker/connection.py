@@ -13,6 +13,7 @@ import signal
 import tempfile
 
 import msgspec
+import psutil
 import zmq
 import zmq.asyncio
 
@@ -61,15 +62,11 @@ def attach_address(name: str) -> str | None:
 def process_alive(pid: int) -> bool:
     """A process of this host still runs (a zombie its parent has not reaped yet counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    return True
 
 
 def describe_exit(code: int) -> str:
