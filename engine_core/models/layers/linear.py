@@ -116,9 +116,11 @@ class QuantLinear:
             self.columns.append(self.columns[-1] + part.shape[0])
         self.out_features = self.columns[-1]
         self.bias = None if bias is None else bias.float()
-        # each part's slice of the bias, cut once rather than every call
-        self.part_biases = [None if self.bias is None else self.bias[c0:c1]
-                            for c0, c1 in zip(self.columns, self.columns[1:])]
+        # each part's kernel arguments after (out, col0, x), its slice of the bias cut once: a decode step makes
+        # ~120 of these calls, and Python's share of each is most of a small layer's time
+        self.part_args = [(col0, p.codes, p.scales, p.mins, p.bits, p.group,
+                           None if self.bias is None else self.bias[col0:col0 + p.shape[0]])
+                          for p, col0 in zip(self.parts, self.columns)]
         self.kernel = getattr(kernels, "linear_quant_", None)
         self.dequantize_kernel = getattr(kernels, "dequantize_quant", None)
         self.dtype = torch.float32 if fp32_out else dtype
@@ -144,12 +146,14 @@ class QuantLinear:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if self.kernel is None or rows.shape[0] > QUANT_KERNEL_MAX_ROWS:
+        if x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        kernel = self.kernel
+        if kernel is None or x.shape[0] > QUANT_KERNEL_MAX_ROWS:
             dtype = self.gemm_dtype
-            out = F.linear(rows.to(dtype), self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
-            return out.to(self.dtype).view(*x.shape[:-1], self.out_features)
-        out = torch.empty(rows.shape[0], self.out_features, dtype=self.dtype, device=x.device)
-        for part, col0, bias in zip(self.parts, self.columns, self.part_biases):
-            self.kernel(out, col0, rows, part.codes, part.scales, part.mins, part.bits, part.group, bias)
-        return out.view(*x.shape[:-1], self.out_features)
+            out = F.linear(x.to(dtype), self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
+            return out.to(self.dtype)
+        out = torch.empty((x.shape[0], self.out_features), dtype=self.dtype)  # the kernel runs on the CPU only
+        for col0, codes, scales, mins, bits, group, bias in self.part_args:
+            kernel(out, col0, x, codes, scales, mins, bits, group, bias)
+        return out
