@@ -62,6 +62,32 @@ def test_linear_quant_matches_the_dequantized_matmul(isa: str, bits: int, group:
     torch.testing.assert_close(out[:, 3:3 + n], want, rtol=1e-5, atol=1e-4)
 
 
+ROWS_SHAPES = [(17, 64, 16), (33, 576, 37), (100, 96, 130), (25, 1536, 64)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
+@pytest.mark.parametrize(("rows", "k", "n"), ROWS_SHAPES)
+def test_prefill_quant_kernel_matches_the_bf16_rounded_matmul(isa: str, bits: int, group: int | None, mins: bool,
+                                                              rows: int, k: int, n: int) -> None:
+    """`linear_quant_rows_` (AVX-512 BF16 builds): the weight rounded to bf16, as the dequantize-then-GEMM path
+    rounds it, on bf16 tiles; odd row and column counts, a part written at a column offset."""
+    kernels = kernels_for(isa)
+    if not hasattr(kernels, "linear_quant_rows_"):
+        pytest.skip(f"the {isa} build has no prefill kernel")
+    w = random_quantized(n, k, bits, group or k, mins, seed=rows + k + n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    bias = torch.randn(n) if n % 2 else None
+    want = x.float() @ w.dequantize().bfloat16().float().t() + (0 if bias is None else bias)
+    out = torch.full((rows, n + 5), float("nan"))
+    kernels.linear_quant_rows_(out, 3, x, w.codes, w.scales, w.mins, bits, group or k, bias)
+    torch.testing.assert_close(out[:, 3:3 + n], want, rtol=2 ** -8, atol=1e-2)
+    assert out[:, :3].isnan().all() and out[:, 3 + n:].isnan().all()
+    out16 = torch.empty(rows, n, dtype=torch.bfloat16)
+    kernels.linear_quant_rows_(out16, 0, x, w.codes, w.scales, w.mins, bits, group or k, bias)
+    torch.testing.assert_close(out16.float(), want, rtol=2 ** -7, atol=1e-2)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
 def test_dequantize_kernel_is_the_reference_dequantization(isa: str, bits: int, group: int | None,

@@ -17,6 +17,9 @@ torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, c10::o
 void lora_delta_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
                  int64_t rank, std::vector<int64_t> bounds);
 #if defined(__AVX512BF16__)
+void linear_quant_rows_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                        c10::optional<torch::Tensor> mins, int64_t bits, int64_t group,
+                        c10::optional<torch::Tensor> bias);
 torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
@@ -69,6 +72,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [T, 2I] projection (bf16)", release());
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up over a fused [T, 2I] projection (bf16)",
         release());
+  m.def("linear_quant_rows_", &linear_quant_rows_,
+        "linear_quant_ for prefill-sized steps: the weight rounded to bf16 a block at a time, linear_bf16's tiles",
+        pybind11::arg("out"), pybind11::arg("col0"), pybind11::arg("x"), pybind11::arg("codes"),
+        pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bits"), pybind11::arg("group"),
+        pybind11::arg("bias"), release());
   m.def("linear_bf16", &linear_bf16, "x · Wᵀ (+ bias) over a weight packed in blocks of 16 columns (bf16 in, bf16 or "
         "fp32 out)", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias"),
         pybind11::arg("out_fp32") = false, release());

@@ -116,6 +116,30 @@ QuantWeight weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
                      mins ? mins->data_ptr<float>() : nullptr, groups};
 }
 
+// One call's checked arguments: the weight, its group kind and the bias in fp32.
+struct Call {
+  QuantWeight w;
+  Group g;
+  torch::Tensor bias_f32;
+  int64_t rows, k, n;
+  const float* bias() const { return bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr; }
+};
+
+Call check(const torch::Tensor& out, int64_t col0, const torch::Tensor& x, const torch::Tensor& codes,
+           const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins, int64_t bits, int64_t group,
+           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1,
+              "x: [M, K], out: [M, N'] with contiguous rows");
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(col0 >= 0 && col0 + n <= out.size(1), "columns ", col0, "..", col0 + n, " outside out");
+  Call call{weight_of(codes, scales, mins, n, k, bits, group), group_of(group, k, bits), {}, rows, k, n};
+  if (bias) {
+    TORCH_CHECK(bias->numel() == n, "bias: [", n, "]");
+    call.bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  return call;
+}
+
 }  // namespace
 
 // out[:, col0 : col0 + N] = x · Wᵀ (+ bias). out: [M, ≥ col0 + N] fp32 or bf16, rows contiguous; x: [M, K] any
@@ -123,18 +147,11 @@ QuantWeight weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
 // write their columns of one output.
 void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                    c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1,
-              "x: [M, K], out: [M, N'] with contiguous rows");
-  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(col0 >= 0 && col0 + n <= out.size(1), "columns ", col0, "..", col0 + n, " outside out");
-  const QuantWeight w = weight_of(codes, scales, mins, n, k, bits, group);
-  const Group g = group_of(group, k, bits);
-  torch::Tensor bias_f32;
-  if (bias) {
-    TORCH_CHECK(bias->numel() == n, "bias: [", n, "]");
-    bias_f32 = bias->to(at::kFloat).contiguous();
-  }
-  const float* bp = bias ? bias_f32.data_ptr<float>() : nullptr;
+  const Call call = check(out, col0, x, codes, scales, mins, bits, group, bias);
+  const QuantWeight& w = call.w;
+  const Group g = call.g;
+  const int64_t rows = call.rows, k = call.k, n = call.n;
+  const float* bp = call.bias();
   if (rows == 0) return;
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
@@ -159,6 +176,25 @@ void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tens
     run(w, bits, g, xp, rows, k, n, yp, out.stride(0), bp);
   }
 }
+
+#if defined(__AVX512BF16__)
+// linear_quant_ for prefill-sized steps on a CPU with AVX-512 BF16 and no AMX: the weight rounded to bf16 a block at
+// a time (as the dequantize-then-GEMM path rounds it) and linear_bf16's tiles; x bf16.
+void linear_quant_rows_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                        c10::optional<torch::Tensor> mins, int64_t bits, int64_t group,
+                        c10::optional<torch::Tensor> bias) {
+  const Call call = check(out, col0, x, codes, scales, mins, bits, group, bias);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: bf16, rows contiguous");
+  if (call.rows == 0) return;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  if (out.scalar_type() == at::kFloat)
+    run_rows(call.w, bits, call.g, xp, x.stride(0), call.rows, call.k, call.n, out.data_ptr<float>() + col0,
+             out.stride(0), call.bias());
+  else
+    run_rows(call.w, bits, call.g, xp, x.stride(0), call.rows, call.k, call.n, out.data_ptr<at::BFloat16>() + col0,
+             out.stride(0), call.bias());
+}
+#endif
 
 // The whole weight dequantized, [N, K] in `dtype` (fp32 or bf16): for prefill-sized steps, whose matmul then
 // runs on the dtype's GEMM (AMX or AVX-512 for bf16).

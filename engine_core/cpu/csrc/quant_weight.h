@@ -181,6 +181,11 @@ void run_bf16(const QuantWeight& w, int bits, Group group, const uint16_t* x, in
               int64_t k, int64_t n, float* y, int64_t y_stride, const float* bias);
 void run_bf16(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
               int64_t k, int64_t n, at::BFloat16* y, int64_t y_stride, const float* bias);
+// prefill-sized steps without AMX (linear_quant_rows.cpp): bf16-rounded weights through linear_bf16's tiles
+void run_rows(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
+              int64_t k, int64_t n, float* y, int64_t y_stride, const float* bias);
+void run_rows(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
+              int64_t k, int64_t n, at::BFloat16* y, int64_t y_stride, const float* bias);
 // the AMX path for 5-16 rows (linear_quant_amx.cpp); false where this CPU or OS has no AMX
 bool run_amx(const QuantWeight& w, int bits, Group group, const uint16_t* x, int64_t x_stride, int64_t rows,
              int64_t k, int64_t n, float* y, int64_t y_stride, const float* bias);

@@ -122,6 +122,10 @@ class QuantLinear:
                            None if self.bias is None else self.bias[col0:col0 + p.shape[0]])
                           for p, col0 in zip(self.parts, self.columns)]
         self.kernel = getattr(kernels, "linear_quant_", None)
+        # more rows than the kernel serves: without AMX, linear_bf16's tiles over the weight dequantized a block at a
+        # time (oneDNN would pack a dequantized weight again in every call); with AMX, its bf16 GEMM. Not the LM head,
+        # whose fp32 logits take the exact fp32 GEMM.
+        self.rows_kernel = None if fp32_out else getattr(linear_kernels(kernels), "linear_quant_rows_", None)
         self.dequantize_kernel = getattr(kernels, "dequantize_quant", None)
         self.dtype = torch.float32 if fp32_out else dtype
         # the kernel computes with the exact weights; a prefill-sized step's GEMM has them in the model's dtype
@@ -149,7 +153,9 @@ class QuantLinear:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         kernel = self.kernel
-        if kernel is None or x.shape[0] > QUANT_KERNEL_MAX_ROWS:
+        if x.shape[0] > QUANT_KERNEL_MAX_ROWS and self.rows_kernel is not None and x.dtype == torch.bfloat16:
+            kernel = self.rows_kernel
+        elif kernel is None or x.shape[0] > QUANT_KERNEL_MAX_ROWS:
             dtype = self.gemm_dtype
             out = F.linear(x.to(dtype), self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
             return out.to(self.dtype)
