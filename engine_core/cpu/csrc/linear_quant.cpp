@@ -8,11 +8,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "quant_tile_avx2.h"
 #include "quant_weight.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -21,6 +23,9 @@ using namespace llmgw_quant;
 // Rows × Out sums of one tile: rows of x (fp32, k contiguous) against outputs n0 .. n0 + Out.
 template <int Bits, Group G, int Out, int Rows>
 void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, float sums[kRows][kOut]) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  avx2::tile<Bits, G, Out, Rows>(w, n0, x, k_total, sums);
+#else
   floats16 acc[Rows][Out] = {};
   for (int64_t k = 0; k < k_total; k += 32) {
     floats16 x0[Rows], x1[Rows];  // loaded once for the tile's outputs
@@ -36,13 +41,14 @@ void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, flo
   }
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Out; ++j) sums[r][j] = sum_lanes(acc[r][j]);
+#endif
 }
 
 template <int Bits, Group G, int Out>
 void tile_rows(int rows, const QuantWeight& w, int64_t n0, const float* x, int64_t k, float sums[kRows][kOut]) {
   switch (rows) {
     case 1: return tile<Bits, G, Out, 1>(w, n0, x, k, sums);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     case 2: return tile<Bits, G, Out, 2>(w, n0, x, k, sums);
     case 3: return tile<Bits, G, Out, 3>(w, n0, x, k, sums);
 #endif
@@ -209,6 +215,17 @@ torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, c10::o
     at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = 0; c < k; c += 32) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+          if constexpr (std::is_same_v<std::remove_pointer_t<decltype(yp)>, float>) {
+            __m256 wv[4];
+            if (bits == 4) avx2::widen<4, kGroup32>(w, r, c, wv);
+            else if (g == kGroup16) avx2::widen<8, kGroup16>(w, r, c, wv);
+            else if (g == kGroup32) avx2::widen<8, kGroup32>(w, r, c, wv);
+            else avx2::widen<8, kGroupRow>(w, r, c, wv);
+            for (int q = 0; q < 4; ++q) _mm256_storeu_ps(yp + r * k + c + 8 * q, wv[q]);
+            continue;
+          }
+#endif
           floats16 w0, w1;
           if (bits == 4) w.widen<4, kGroup32>(r, c, w0, w1);
           else if (g == kGroup16) w.widen<8, kGroup16>(r, c, w0, w1);

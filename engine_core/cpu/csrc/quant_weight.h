@@ -22,8 +22,10 @@ typedef int32_t ints16 __attribute__((vector_size(64)));
 
 #if defined(__AVX512F__)
 constexpr int kOut = 4, kRows = 4;  // 16 accumulators: half the zmm registers
+#elif defined(__AVX2__)
+constexpr int kOut = 2, kRows = 4;  // quant_tile_avx2.h: 8 accumulators and 4 weight vectors of the 16 ymm registers
 #else
-constexpr int kOut = 2, kRows = 2;  // a floats16 is two ymm registers on AVX2
+constexpr int kOut = 2, kRows = 2;
 #endif
 
 enum Group { kGroup16, kGroup32, kGroupRow };

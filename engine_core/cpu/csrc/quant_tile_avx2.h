@@ -1,0 +1,71 @@
+// linear_quant's tile for the AVX2 build in 8-lane intrinsics. GCC keeps the 64-byte vector types of
+// quant_weight.h (two ymm registers each on AVX2) on the stack and moves them through general registers: the
+// generic tile ran a Q4_1 decode step at 55x its memory bound on an AVX2-only EPYC (docs/benchmarks.md).
+#pragma once
+
+#include "quant_weight.h"
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+namespace llmgw_quant::avx2 {
+
+// w[n, k .. k + 32) in fp32, 8 weights a register, exactly as QuantWeight::widen gives them
+template <int Bits, Group G>
+inline void widen(const QuantWeight& w, int64_t n, int64_t k, __m256 out[4]) {
+  const uint8_t* row = w.codes + n * w.row_bytes;
+  const float* s = w.scales + n * w.groups;
+  const float* m = w.mins ? w.mins + n * w.groups : nullptr;
+  const int64_t g0 = G == kGroupRow ? 0 : G == kGroup16 ? k >> 4 : k >> 5;
+  const int64_t g1 = G == kGroup16 ? g0 + 1 : g0;
+  __builtin_prefetch(row + (Bits == 8 ? k : k / 2) + kPrefetchBytes);
+  __m256i codes[4];
+  if constexpr (Bits == 8) {
+    for (int q = 0; q < 4; ++q)
+      codes[q] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8 * q)));
+  } else {  // byte j holds code j (low nibble) and code j + 16 (high)
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+    const __m256i lo = _mm256_cvtepu8_epi32(packed), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8));
+    const __m256i nibble = _mm256_set1_epi32(15);
+    codes[0] = _mm256_and_si256(lo, nibble);
+    codes[1] = _mm256_and_si256(hi, nibble);
+    codes[2] = _mm256_srli_epi32(lo, 4);
+    codes[3] = _mm256_srli_epi32(hi, 4);
+  }
+  const __m256 s0 = _mm256_set1_ps(s[g0]), s1 = _mm256_set1_ps(s[g1]);
+  const __m256 m0 = _mm256_set1_ps(m ? m[g0] : 0.f), m1 = _mm256_set1_ps(m ? m[g1] : 0.f);
+  out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[0]), s0, m0);
+  out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[1]), s0, m0);
+  out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[2]), s1, m1);
+  out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[3]), s1, m1);
+}
+
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+// Rows × Out sums: rows of x (fp32, k contiguous) against outputs n0 .. n0 + Out. One row keeps two
+// accumulators per output, so that its fmas are not one serial chain.
+template <int Bits, Group G, int Out, int Rows>
+void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, float sums[kRows][kOut]) {
+  constexpr int kAcc = Rows == 1 ? 2 : 1;
+  __m256 acc[Rows][Out][kAcc];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Out; ++j)
+      for (int a = 0; a < kAcc; ++a) acc[r][j][a] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_total; k += 32)
+    for (int j = 0; j < Out; ++j) {
+      __m256 wv[4];
+      widen<Bits, G>(w, n0 + j, k, wv);
+      for (int r = 0; r < Rows; ++r)
+        for (int q = 0; q < 4; ++q)
+          acc[r][j][q % kAcc] =
+              _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + r * k_total + k + 8 * q), acc[r][j][q % kAcc]);
+    }
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Out; ++j)
+      sums[r][j] = sum_lanes(kAcc == 2 ? _mm256_add_ps(acc[r][j][0], acc[r][j][kAcc - 1]) : acc[r][j][0]);
+}
+
+}  // namespace llmgw_quant::avx2
+#endif
