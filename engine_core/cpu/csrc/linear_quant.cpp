@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -59,6 +60,19 @@ void tile_rows(int rows, const QuantWeight& w, int64_t n0, const float* x, int64
 template <typename T>
 void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t rows, int64_t k, int64_t n,
          T* y, int64_t y_stride, const float* bias) {
+  std::vector<float> x_group_sums;  // [rows, groups], for the minimums' term of the AVX2 build's few-row tiles
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (w.mins) {
+    const int64_t size = k / w.groups;
+    x_group_sums.resize(rows * w.groups);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < w.groups; ++g) {
+        float sum = 0.f;
+        for (int64_t i = g * size; i < (g + 1) * size; ++i) sum += x[r * k + i];
+        x_group_sums[r * w.groups + g] = sum;
+      }
+  }
+#endif
   auto one_tile = [&](int64_t n0, int out, int64_t r0, int r) {
     float sums[kRows][kOut];
     const float* xr = x + r0 * k;
@@ -70,6 +84,12 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
     else if (group == kGroup32) { LLMGW_TILE(8, kGroup32) }
     else { LLMGW_TILE(8, kGroupRow) }
 #undef LLMGW_TILE
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if (w.mins && r <= avx2::kFoldRows)
+      for (int i = 0; i < r; ++i)
+        for (int j = 0; j < out; ++j)
+          sums[i][j] += avx2::mins_term(w, n0 + j, x_group_sums.data() + (r0 + i) * w.groups);
+#endif
     for (int i = 0; i < r; ++i)
       for (int j = 0; j < out; ++j)
         y[(r0 + i) * y_stride + n0 + j] = static_cast<T>(sums[i][j] + (bias ? bias[n0 + j] : 0.f));

@@ -38,14 +38,51 @@ inline void widen(const QuantWeight& w, int64_t n, int64_t k, __m256 out[4]) {
   out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[3]), s1, m1);
 }
 
+// the codes of w[n, k .. k + 32) in fp32 and their groups' scales: for a tile of few rows, which multiplies the
+// codes with x and applies the scale once per group (the minimums' term comes after: mins_term)
+template <int Bits, Group G>
+inline void codes_and_scales(const QuantWeight& w, int64_t n, int64_t k, __m256 out[4], __m256& s0, __m256& s1) {
+  const uint8_t* row = w.codes + n * w.row_bytes;
+  const float* s = w.scales + n * w.groups;
+  const int64_t g0 = G == kGroupRow ? 0 : G == kGroup16 ? k >> 4 : k >> 5;
+  __builtin_prefetch(row + (Bits == 8 ? k : k / 2) + kPrefetchBytes);
+  if constexpr (Bits == 8) {
+    for (int q = 0; q < 4; ++q)
+      out[q] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8 * q))));
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+    const __m256i lo = _mm256_cvtepu8_epi32(packed), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8));
+    const __m256i nibble = _mm256_set1_epi32(15);
+    out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, nibble));
+    out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, nibble));
+    out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+    out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+  }
+  s0 = _mm256_set1_ps(s[g0]);
+  s1 = G == kGroup16 ? _mm256_set1_ps(s[g0 + 1]) : s0;
+}
+
+// tiles of up to this many rows apply each scale once per group and leave the minimums' term to mins_term: 5
+// fewer vector ops per 32 weights for one row; more rows share one widening of the weights instead
+constexpr int kFoldRows = 2;
+
+// Σ_g min[n, g] · (Σ of x over group g): the minimums' term of a folded tile's sum
+inline float mins_term(const QuantWeight& w, int64_t n, const float* x_group_sums) {
+  const float* m = w.mins + n * w.groups;
+  float sum = 0.f;
+  for (int64_t g = 0; g < w.groups; ++g) sum += m[g] * x_group_sums[g];
+  return sum;
+}
+
 inline float sum_lanes(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
-// Rows × Out sums: rows of x (fp32, k contiguous) against outputs n0 .. n0 + Out. One row keeps two
-// accumulators per output, so that its fmas are not one serial chain.
+// Rows × Out sums: rows of x (fp32, k contiguous) against outputs n0 .. n0 + Out; without the minimums' term for
+// Rows <= kFoldRows. One row keeps two accumulators per output, so that its fmas are not one serial chain.
 template <int Bits, Group G, int Out, int Rows>
 void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, float sums[kRows][kOut]) {
   constexpr int kAcc = Rows == 1 ? 2 : 1;
@@ -53,15 +90,36 @@ void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, flo
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Out; ++j)
       for (int a = 0; a < kAcc; ++a) acc[r][j][a] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < k_total; k += 32)
-    for (int j = 0; j < Out; ++j) {
-      __m256 wv[4];
-      widen<Bits, G>(w, n0 + j, k, wv);
-      for (int r = 0; r < Rows; ++r)
-        for (int q = 0; q < 4; ++q)
-          acc[r][j][q % kAcc] =
-              _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + r * k_total + k + 8 * q), acc[r][j][q % kAcc]);
-    }
+  if constexpr (Rows <= kFoldRows) {
+    for (int64_t k = 0; k < k_total; k += 32)
+      for (int j = 0; j < Out; ++j) {
+        __m256 cv[4], s0, s1;
+        codes_and_scales<Bits, G>(w, n0 + j, k, cv, s0, s1);
+        for (int r = 0; r < Rows; ++r) {
+          const float* xr = x + r * k_total + k;
+          const __m256 t0 =
+              _mm256_fmadd_ps(cv[1], _mm256_loadu_ps(xr + 8), _mm256_mul_ps(cv[0], _mm256_loadu_ps(xr)));
+          const __m256 t1 =
+              _mm256_fmadd_ps(cv[3], _mm256_loadu_ps(xr + 24), _mm256_mul_ps(cv[2], _mm256_loadu_ps(xr + 16)));
+          if constexpr (G == kGroup16) {
+            acc[r][j][0] = _mm256_fmadd_ps(t0, s0, acc[r][j][0]);
+            acc[r][j][kAcc - 1] = _mm256_fmadd_ps(t1, s1, acc[r][j][kAcc - 1]);
+          } else {
+            acc[r][j][0] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), s0, acc[r][j][0]);
+          }
+        }
+      }
+  } else {
+    for (int64_t k = 0; k < k_total; k += 32)
+      for (int j = 0; j < Out; ++j) {
+        __m256 wv[4];
+        widen<Bits, G>(w, n0 + j, k, wv);
+        for (int r = 0; r < Rows; ++r)
+          for (int q = 0; q < 4; ++q)
+            acc[r][j][q % kAcc] =
+                _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + r * k_total + k + 8 * q), acc[r][j][q % kAcc]);
+      }
+  }
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Out; ++j)
       sums[r][j] = sum_lanes(kAcc == 2 ? _mm256_add_ps(acc[r][j][0], acc[r][j][kAcc - 1]) : acc[r][j][0]);
