@@ -25,7 +25,8 @@ using namespace llmgw_quant;
 template <int Bits, Group G, int Out, int Rows>
 void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, float sums[kRows][kOut]) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  avx2::tile<Bits, G, Out, Rows>(w, n0, x, k_total, sums);
+  if constexpr (Bits == 4 && Rows <= avx2::kFoldRows) avx2::tile_q4<Out, Rows>(w, n0, x, k_total, sums);
+  else avx2::tile<Bits, G, Out, Rows>(w, n0, x, k_total, sums);
 #else
   floats16 acc[Rows][Out] = {};
   for (int64_t k = 0; k < k_total; k += 32) {
@@ -60,8 +61,9 @@ void tile_rows(int rows, const QuantWeight& w, int64_t n0, const float* x, int64
 template <typename T>
 void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t rows, int64_t k, int64_t n,
          T* y, int64_t y_stride, const float* bias) {
-  std::vector<float> x_group_sums;  // [rows, groups], for the minimums' term of the AVX2 build's few-row tiles
 #if defined(__AVX2__) && !defined(__AVX512F__)
+  // the AVX2 tiles of few rows leave the minimums' term out: it comes from x's group sums
+  std::vector<float> x_group_sums;  // [rows, groups]
   if (w.mins) {
     const int64_t size = k / w.groups;
     x_group_sums.resize(rows * w.groups);
@@ -72,10 +74,18 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
         x_group_sums[r * w.groups + g] = sum;
       }
   }
+  std::vector<float> x_q4;  // x as the 4-bit tile of few rows reads it (tile_q4)
+  if (bits == 4) {
+    x_q4.resize(rows * k);
+    avx2::permute_x_q4(x, rows, k, x_q4.data());
+  }
+  auto x_of_tile = [&](int r) { return bits == 4 && r <= avx2::kFoldRows ? x_q4.data() : x; };
+#else
+  auto x_of_tile = [&](int) { return x; };
 #endif
   auto one_tile = [&](int64_t n0, int out, int64_t r0, int r) {
     float sums[kRows][kOut];
-    const float* xr = x + r0 * k;
+    const float* xr = x_of_tile(r) + r0 * k;
 #define LLMGW_TILE(B, G)                                                   \
   if (out == kOut) tile_rows<B, G, kOut>(r, w, n0, xr, k, sums); \
   else tile_rows<B, G, 1>(r, w, n0, xr, k, sums);

@@ -8,36 +8,6 @@
 #if defined(__AVX2__) && !defined(__AVX512F__)
 namespace llmgw_quant::avx2 {
 
-// w[n, k .. k + 32) in fp32, 8 weights a register, exactly as QuantWeight::widen gives them
-template <int Bits, Group G>
-inline void widen(const QuantWeight& w, int64_t n, int64_t k, __m256 out[4]) {
-  const uint8_t* row = w.codes + n * w.row_bytes;
-  const float* s = w.scales + n * w.groups;
-  const float* m = w.mins ? w.mins + n * w.groups : nullptr;
-  const int64_t g0 = G == kGroupRow ? 0 : G == kGroup16 ? k >> 4 : k >> 5;
-  const int64_t g1 = G == kGroup16 ? g0 + 1 : g0;
-  __builtin_prefetch(row + (Bits == 8 ? k : k / 2) + kPrefetchBytes);
-  __m256i codes[4];
-  if constexpr (Bits == 8) {
-    for (int q = 0; q < 4; ++q)
-      codes[q] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8 * q)));
-  } else {  // byte j holds code j (low nibble) and code j + 16 (high)
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
-    const __m256i lo = _mm256_cvtepu8_epi32(packed), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8));
-    const __m256i nibble = _mm256_set1_epi32(15);
-    codes[0] = _mm256_and_si256(lo, nibble);
-    codes[1] = _mm256_and_si256(hi, nibble);
-    codes[2] = _mm256_srli_epi32(lo, 4);
-    codes[3] = _mm256_srli_epi32(hi, 4);
-  }
-  const __m256 s0 = _mm256_set1_ps(s[g0]), s1 = _mm256_set1_ps(s[g1]);
-  const __m256 m0 = _mm256_set1_ps(m ? m[g0] : 0.f), m1 = _mm256_set1_ps(m ? m[g1] : 0.f);
-  out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[0]), s0, m0);
-  out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[1]), s0, m0);
-  out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[2]), s1, m1);
-  out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[3]), s1, m1);
-}
-
 // the codes of w[n, k .. k + 32) in fp32 and their groups' scales: for a tile of few rows, which multiplies the
 // codes with x and applies the scale once per group (the minimums' term comes after: mins_term)
 template <int Bits, Group G>
@@ -61,6 +31,20 @@ inline void codes_and_scales(const QuantWeight& w, int64_t n, int64_t k, __m256 
   }
   s0 = _mm256_set1_ps(s[g0]);
   s1 = G == kGroup16 ? _mm256_set1_ps(s[g0 + 1]) : s0;
+}
+
+// w[n, k .. k + 32) in fp32, 8 weights a register, exactly as QuantWeight::widen gives them
+template <int Bits, Group G>
+inline void widen(const QuantWeight& w, int64_t n, int64_t k, __m256 out[4]) {
+  __m256 s0, s1;
+  codes_and_scales<Bits, G>(w, n, k, out, s0, s1);
+  const float* m = w.mins ? w.mins + n * w.groups : nullptr;
+  const int64_t g0 = G == kGroupRow ? 0 : G == kGroup16 ? k >> 4 : k >> 5;
+  const __m256 m0 = _mm256_set1_ps(m ? m[g0] : 0.f), m1 = _mm256_set1_ps(m ? m[G == kGroup16 ? g0 + 1 : g0] : 0.f);
+  out[0] = _mm256_fmadd_ps(out[0], s0, m0);
+  out[1] = _mm256_fmadd_ps(out[1], s0, m0);
+  out[2] = _mm256_fmadd_ps(out[2], s1, m1);
+  out[3] = _mm256_fmadd_ps(out[3], s1, m1);
 }
 
 // tiles of up to this many rows apply each scale once per group and leave the minimums' term to mins_term: 5
@@ -123,6 +107,72 @@ void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, flo
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Out; ++j)
       sums[r][j] = sum_lanes(kAcc == 2 ? _mm256_add_ps(acc[r][j][0], acc[r][j][kAcc - 1]) : acc[r][j][0]);
+}
+
+// The 4-bit tile reads 64 codes (two groups) as eight 32-bit lanes and takes nibble t of every lane at once: an
+// and with 15 << 4t (t = 7: a shift right by 28) leaves code · 2^4t in each lane, exactly an fp32 after the
+// conversion. x comes permuted to the codes' order and scaled by 2^-4t (permute_x_q4), so each product is
+// code · x to the bit, for 3 vector ops per 8 weights instead of 5 (no widening shuffle, no shift).
+// Lane i holds the bytes 4i .. 4i + 3 of the 32: group i / 4, its bytes 4 (i % 4) + s, s = 0 .. 3, each the codes
+// j and j + 16 of its group (GGUF's order): nibble t is code 4 (i % 4) + t / 2 + 16 (t % 2).
+inline int64_t q4_source(int64_t t, int64_t i) { return 32 * (i >> 2) + 4 * (i & 3) + (t >> 1) + 16 * (t & 1); }
+
+// x's rows in the order and scale tile_q4 reads them: each 64 inputs by q4_source, a last 32 as they are
+inline void permute_x_q4(const float* x, int64_t rows, int64_t k, float* out) {
+  const int64_t k64 = k & ~int64_t{63};
+  for (int64_t r = 0; r < rows; ++r, x += k, out += k) {
+    for (int64_t b = 0; b < k64; b += 64)
+      for (int t = 0; t < 8; ++t) {
+        const float scale = t == 7 ? 1.f : 1.f / static_cast<float>(1 << (4 * t));  // a power of 2: exact
+        for (int i = 0; i < 8; ++i) out[b + 8 * t + i] = x[b + q4_source(t, i)] * scale;
+      }
+    std::memcpy(out + k64, x + k64, (k - k64) * sizeof(float));
+  }
+}
+
+// Rows × Out sums over 4-bit codes without the minimums' term (mins_term), x from permute_x_q4
+template <int Out, int Rows>
+void tile_q4(const QuantWeight& w, int64_t n0, const float* xp, int64_t k_total, float sums[kRows][kOut]) {
+  constexpr int kPart = Rows <= 2 ? 2 : 1;  // partial sums a row and output: fewer serial fmas, within 16 registers
+  const int64_t k64 = k_total & ~int64_t{63};
+  const __m256i group_of_lane = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+  __m256 acc[Rows][Out];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Out; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k64; k += 64)
+    for (int j = 0; j < Out; ++j) {
+      const uint8_t* codes = w.codes + (n0 + j) * w.row_bytes + k / 2;
+      __builtin_prefetch(codes + kPrefetchBytes);
+      const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+      const __m128i scale_pair = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.scales + (n0 + j) * w.groups + k / 32));
+      const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(scale_pair)), group_of_lane);
+      __m256 part[Rows][kPart];
+      for (int t = 0; t < 8; ++t) {
+        const __m256 c = _mm256_cvtepi32_ps(t == 7 ? _mm256_srli_epi32(lanes, 28)
+                                                   : _mm256_and_si256(lanes, _mm256_set1_epi32(15 << (4 * t))));
+        for (int r = 0; r < Rows; ++r) {
+          const __m256 xv = _mm256_loadu_ps(xp + r * k_total + k + 8 * t);
+          __m256& sum = part[r][t % kPart];
+          sum = t < kPart ? _mm256_mul_ps(c, xv) : _mm256_fmadd_ps(c, xv, sum);
+        }
+      }
+      for (int r = 0; r < Rows; ++r)
+        acc[r][j] = _mm256_fmadd_ps(kPart == 2 ? _mm256_add_ps(part[r][0], part[r][kPart - 1]) : part[r][0], scale,
+                                    acc[r][j]);
+    }
+  if (k64 < k_total)  // a last group of 32, in GGUF's order
+    for (int j = 0; j < Out; ++j) {
+      __m256 cv[4], s0, s1;
+      codes_and_scales<4, kGroup32>(w, n0 + j, k64, cv, s0, s1);
+      for (int r = 0; r < Rows; ++r) {
+        const float* xr = xp + r * k_total + k64;
+        __m256 t = _mm256_mul_ps(cv[0], _mm256_loadu_ps(xr));
+        for (int q = 1; q < 4; ++q) t = _mm256_fmadd_ps(cv[q], _mm256_loadu_ps(xr + 8 * q), t);
+        acc[r][j] = _mm256_fmadd_ps(t, s0, acc[r][j]);
+      }
+    }
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Out; ++j) sums[r][j] = sum_lanes(acc[r][j]);
 }
 
 }  // namespace llmgw_quant::avx2

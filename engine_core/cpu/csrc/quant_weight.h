@@ -30,8 +30,14 @@ constexpr int kOut = 2, kRows = 2;
 
 enum Group { kGroup16, kGroup32, kGroupRow };
 
+// how far ahead a decode step asks for a weight's bytes. On an AVX2-only Zen 3 EPYC, 3072 read the layers of a
+// Q4_1 step from DRAM in 5.5 ms against 6.4 at 512 (6144: the same) and the int8 LM head at 26 GB/s against 17
 #ifndef LLMGW_PREFETCH_BYTES
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define LLMGW_PREFETCH_BYTES 3072
+#else
 #define LLMGW_PREFETCH_BYTES 512
+#endif
 #endif
 constexpr int64_t kPrefetchBytes = LLMGW_PREFETCH_BYTES;
 
