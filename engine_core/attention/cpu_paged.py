@@ -63,8 +63,6 @@ class CpuPagedAttention:
         AttentionBackend."""
         if isinstance(plan, AttentionMetadata):
             plan = self.plan(plan, k_cache.shape[1])
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        slots = plan.meta.slot_mapping  # this step's keys and values first: its prefill rows read them
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
-        return self.kernel(q, k_cache, v_cache, plan.blocks, plan.key_counts, scale, window, softcap)
+        # the kernel writes this step's keys and values to their slots first: its prefill rows read them
+        return self.kernel(q, k_cache, v_cache, plan.blocks, plan.key_counts, scale, window, softcap,
+                           k, v, plan.meta.slot_mapping)

@@ -3,7 +3,9 @@
 #include <torch/extension.h>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                           torch::Tensor key_counts, double scale, int64_t window, double softcap);
+                           torch::Tensor key_counts, double scale, int64_t window, double softcap,
+                           c10::optional<torch::Tensor> k, c10::optional<torch::Tensor> v,
+                           c10::optional<torch::Tensor> slots);
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, std::vector<int64_t> rows);
 torch::Tensor rms_norm_f32(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
@@ -46,10 +48,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("compiled_isa", &compiled_isa, "the vector ISA this build targets");
   m.def("paged_decode", &paged_decode,
-        "paged attention over a block-paged KV cache, one query a row, optional sliding window and soft-cap (CPU)",
+        "paged attention over a block-paged KV cache, one query a row, optional sliding window and soft-cap (CPU); "
+        "with k, v and slots, this step's keys and values are written to their slots first",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_table"),
         pybind11::arg("key_counts"), pybind11::arg("scale"), pybind11::arg("window") = 0,
-        pybind11::arg("softcap") = 0.0, release());
+        pybind11::arg("softcap") = 0.0, pybind11::arg("k") = pybind11::none(), pybind11::arg("v") = pybind11::none(),
+        pybind11::arg("slots") = pybind11::none(), release());
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "a grammar's token bitmask applied to rows of logits",
         release());
   m.def("rms_norm_f32", &rms_norm_f32, "RMSNorm, with an optional residual add in place (fp32)", release());

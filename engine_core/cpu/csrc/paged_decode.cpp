@@ -373,16 +373,45 @@ void dispatch(const Args<scalar_t>& args) {
 
 }  // namespace
 
+// This step's keys or values, [T, Hkv, D] with each token's heads contiguous (a view into the qkv projection is),
+// copied into their cache slots: what two index_copy_ calls a layer did, without their dispatch.
+void write_slots(torch::Tensor& cache, const torch::Tensor& rows, const torch::Tensor& slots) {
+  TORCH_CHECK(rows.dim() == 3 && rows.size(1) == cache.size(2) && rows.size(2) == cache.size(3) &&
+                  rows.scalar_type() == cache.scalar_type(),
+              "new keys and values: [T, Hkv, D] in the cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == rows.size(0),
+              "slots: [T] int64");
+  const torch::Tensor src = rows.stride(2) == 1 && rows.stride(1) == rows.size(2) ? rows : rows.contiguous();
+  const torch::Tensor where = slots.contiguous();
+  const int64_t total = cache.size(0) * cache.size(1), element = cache.element_size();
+  const int64_t bytes = cache.size(2) * cache.size(3) * element, src_step = src.stride(0) * element;
+  const int64_t* slot = where.data_ptr<int64_t>();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* from = static_cast<const char*>(src.data_ptr());
+  for (int64_t t = 0; t < src.size(0); ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < total, "slot ", slot[t], " outside the cache");
+    std::memcpy(dst + slot[t] * bytes, from + t * src_step, bytes);
+  }
+}
+
 // q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_table: [T, W] int64; key_counts:
-// [T] int64 (position + 1); window: 0 or the keys a row sees, its own included; softcap: 0 or the cap.
-// Returns [T, Hq, D].
+// [T] int64 (position + 1); window: 0 or the keys a row sees, its own included; softcap: 0 or the cap. With k, v
+// ([T, Hkv, D]) and slots ([T]), this step's keys and values are written to their slots first (a prefill row reads
+// its own). Returns [T, Hq, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                           torch::Tensor key_counts, double scale, int64_t window, double softcap) {
+                           torch::Tensor key_counts, double scale, int64_t window, double softcap,
+                           c10::optional<torch::Tensor> k, c10::optional<torch::Tensor> v,
+                           c10::optional<torch::Tensor> slots) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  TORCH_CHECK(k.has_value() == slots.has_value() && v.has_value() == slots.has_value(), "k, v and slots go together");
+  if (slots) {
+    write_slots(k_cache, *k, *slots);
+    write_slots(v_cache, *v, *slots);
+  }
   q = q.contiguous();
   block_table = block_table.to(torch::kLong).contiguous();
   key_counts = key_counts.to(torch::kLong).contiguous();
