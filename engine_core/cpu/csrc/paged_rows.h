@@ -1,0 +1,84 @@
+// What every path of paged_decode.cpp shares: the arguments, where a row's keys are in the cache, the soft-cap.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "vec512.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace llmgw_paged {
+
+inline float to_float(float x) { return x; }
+inline float to_float(double x) { return static_cast<float>(x); }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+// Everything a kernel reads, one struct for every code path.
+template <typename scalar_t>
+struct Args {
+  const scalar_t* q;  // [rows, num_heads, head_dim]
+  const scalar_t* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const scalar_t* v_cache;
+  const int64_t* block_table;  // [rows, table_width]: each row's sequence's blocks
+  const int64_t* key_counts;  // [rows]: the keys of its sequence up to and including the row's own
+  scalar_t* out;  // [rows, num_heads, head_dim]
+  int64_t rows, num_heads, num_kv_heads, head_dim, block_size, table_width;
+  int64_t window;  // sliding window in keys, 0: none
+  float scale;
+  float softcap;  // 0: none
+};
+
+// Where each key row b attends to starts in the cache (in elements, plus head_offset), from one walk over
+// the blocks its window spans: the kernels then read its i-th key at cache + offsets[i]. Returns how many.
+template <typename scalar_t>
+int64_t key_offsets(const Args<scalar_t>& a, int64_t b, int64_t head_offset, std::vector<int64_t>& offsets) {
+  const int64_t count = a.key_counts[b];
+  const int64_t first = a.window > 0 ? std::max<int64_t>(0, count - a.window) : 0;
+  const int64_t* table = a.block_table + b * a.table_width;
+  const int64_t token_stride = a.num_kv_heads * a.head_dim;
+  offsets.resize(count - first);
+  for (int64_t t = first; t < count;) {  // block by block: one table read per block, no division per key
+    const int64_t blk = t / a.block_size, end = std::min(count, (blk + 1) * a.block_size);
+    const int64_t base = (table[blk] - blk) * a.block_size;  // key t's slot is base + t
+    for (; t < end; ++t) offsets[t - first] = (base + t) * token_stride + head_offset;
+  }
+  return count - first;
+}
+
+#if defined(__AVX512F__)
+// In place: s[0:len] = cap * tanh(s[0:len] / cap), 16 at a time, with tanh(x) = 1 - 2 / (e^2x + 1). x is
+// clamped to +-9 (tanh(9) is 1 in fp32) so that e^2x stays finite: -ffast-math assumes no infinities.
+inline void softcap16(float* s, int64_t len, float cap) {
+  const __m512 inv2 = _mm512_set1_ps(2.f / cap), lo = _mm512_set1_ps(-18.f), hi = _mm512_set1_ps(18.f);
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), vcap = _mm512_set1_ps(cap);
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 k = tail_mask(len - t);
+    const __m512 x2 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), inv2), lo), hi);
+    const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp16(x2), one)));
+    _mm512_mask_storeu_ps(s + t, k, _mm512_mul_ps(vcap, th));
+  }
+}
+#endif
+
+// Scores soft-capped in place before the softmax, where the layer asks for it.
+inline void softcap_scores(float* s, int64_t len, float cap) {
+  if (cap <= 0.f) return;
+#if defined(__AVX512F__)
+  softcap16(s, len, cap);
+#else
+  const float inv = 1.f / cap;
+  for (int64_t t = 0; t < len; ++t) s[t] = cap * std::tanh(s[t] * inv);
+#endif
+}
+
+}  // namespace llmgw_paged
