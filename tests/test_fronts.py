@@ -224,7 +224,8 @@ def answers(url: str) -> bool:
 
 def test_sigterm_drains_every_front_and_leaves_no_process(tmp_path: Path) -> None:
     with running_gateway(FRONTS_CONFIG, tmp_path) as url:
-        wait_until(lambda: len(fronts(url)) == 2, "two fronts")
+        # both fronts attached to the engine worker: /health answers from one front, a request may reach the other
+        wait_until(lambda: len(fronts(url)) == 2 and all(serving(url) for _ in range(4)), "both fronts serving")
         family = [supervisor(url), *supervisor(url).children(recursive=True)]
         lines: list[str] = []
         first_token = threading.Event()
