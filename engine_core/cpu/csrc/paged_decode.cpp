@@ -254,12 +254,7 @@ void decode(const Args<scalar_t>& a) {
       for (int64_t g = 0; g < group; ++g) {  // softmax
         float* sc = scores.data() + g * len;
         softcap_scores(sc, len, a.softcap);
-        const float top = *std::max_element(sc, sc + len);
-        for (int64_t t = 0; t < len; ++t) sc[t] = expf(sc[t] - top);  // separate loops vectorize (libmvec)
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) sum += sc[t];
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
+        softmax_scores(sc, len);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       float* vf = row.data();

@@ -5,8 +5,6 @@
 
 #include "paged_rows.h"
 
-#include <math.h>
-
 namespace llmgw_paged {
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -48,17 +46,13 @@ void decode_avx2(const Args<float>& a) {
           _mm256_storeu_ps(sc + t, sum_lanes8x8(d));
         }
         for (; t < len; ++t) {
-          __m256 d[8] = {dot(t), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                         _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-          sc[t] = _mm256_cvtss_f32(sum_lanes8x8(d));
+          const __m256 d = dot(t);
+          __m128 sum = _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+          sum = _mm_hadd_ps(sum, sum);
+          sc[t] = _mm_cvtss_f32(_mm_hadd_ps(sum, sum));
         }
         softcap_scores(sc, len, a.softcap);
-        const float top = *std::max_element(sc, sc + len);
-        for (int64_t i = 0; i < len; ++i) sc[i] = expf(sc[i] - top);  // separate loops vectorize (libmvec)
-        float total = 0.f;
-        for (int64_t i = 0; i < len; ++i) total += sc[i];
-        const float inv = 1.f / total;
-        for (int64_t i = 0; i < len; ++i) sc[i] *= inv;
+        softmax_scores(sc, len);
       }
       for (int64_t g = 0; g < group; ++g) {  // Σ p·v
         const float* sc = scores.data() + g * len;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <math.h>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -79,6 +80,16 @@ inline void softcap_scores(float* s, int64_t len, float cap) {
   const float inv = 1.f / cap;
   for (int64_t t = 0; t < len; ++t) s[t] = cap * std::tanh(s[t] * inv);
 #endif
+}
+
+// In place: s[0:len] = softmax(s[0:len]), in loops the compiler vectorizes (expf through libmvec)
+inline void softmax_scores(float* s, int64_t len) {
+  const float top = *std::max_element(s, s + len);
+  for (int64_t t = 0; t < len; ++t) s[t] = expf(s[t] - top);
+  float sum = 0.f;
+  for (int64_t t = 0; t < len; ++t) sum += s[t];
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
 }
 
 }  // namespace llmgw_paged
