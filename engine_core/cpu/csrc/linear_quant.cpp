@@ -74,8 +74,8 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
         x_group_sums[r * w.groups + g] = sum;
       }
   }
-  std::vector<float> x_q4;  // x as the 4-bit tile of few rows reads it (tile_q4)
-  if (bits == 4) {
+  std::vector<float> x_q4;  // x as the 4-bit tile of few rows reads it (tile_q4), where a tile has few rows
+  if (const int64_t last = rows % kRows; bits == 4 && last != 0 && last <= avx2::kFoldRows) {
     x_q4.resize(rows * k);
     avx2::permute_x_q4(x, rows, k, x_q4.data());
   }

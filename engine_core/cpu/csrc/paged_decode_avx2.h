@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include "paged_rows.h"
+#include "vec256.h"
 
 namespace llmgw_paged {
 
@@ -45,12 +46,7 @@ void decode_avx2(const Args<float>& a) {
           for (int i = 0; i < 8; ++i) d[i] = dot(t + i);
           _mm256_storeu_ps(sc + t, sum_lanes8x8(d));
         }
-        for (; t < len; ++t) {
-          const __m256 d = dot(t);
-          __m128 sum = _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
-          sum = _mm_hadd_ps(sum, sum);
-          sc[t] = _mm_cvtss_f32(_mm_hadd_ps(sum, sum));
-        }
+        for (; t < len; ++t) sc[t] = sum8(dot(t));
         softcap_scores(sc, len, a.softcap);
         softmax_scores(sc, len);
       }

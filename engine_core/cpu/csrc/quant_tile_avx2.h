@@ -4,6 +4,7 @@
 #pragma once
 
 #include "quant_weight.h"
+#include "vec256.h"
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 namespace llmgw_quant::avx2 {
@@ -59,12 +60,6 @@ inline float mins_term(const QuantWeight& w, int64_t n, const float* x_group_sum
   return sum;
 }
 
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
 // Rows × Out sums: rows of x (fp32, k contiguous) against outputs n0 .. n0 + Out; without the minimums' term for
 // Rows <= kFoldRows. One row keeps two accumulators per output, so that its fmas are not one serial chain.
 template <int Bits, Group G, int Out, int Rows>
@@ -106,7 +101,7 @@ void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, flo
   }
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Out; ++j)
-      sums[r][j] = sum_lanes(kAcc == 2 ? _mm256_add_ps(acc[r][j][0], acc[r][j][kAcc - 1]) : acc[r][j][0]);
+      sums[r][j] = sum8(kAcc == 2 ? _mm256_add_ps(acc[r][j][0], acc[r][j][kAcc - 1]) : acc[r][j][0]);
 }
 
 // The 4-bit tile reads 64 codes (two groups) as eight 32-bit lanes and takes nibble t of every lane at once: an
@@ -172,7 +167,7 @@ void tile_q4(const QuantWeight& w, int64_t n0, const float* xp, int64_t k_total,
       }
     }
   for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < Out; ++j) sums[r][j] = sum_lanes(acc[r][j]);
+    for (int j = 0; j < Out; ++j) sums[r][j] = sum8(acc[r][j]);
 }
 
 }  // namespace llmgw_quant::avx2
