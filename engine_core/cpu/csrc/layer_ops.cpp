@@ -3,7 +3,7 @@
 // in dispatch than in arithmetic (F.rms_norm alone is seven ops); each of these is one call, with fp32
 // arithmetic rounded once.
 // AVX-512 with BF16 only: elsewhere the module leaves them out and the model keeps the torch ops.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "vec512.h"
@@ -13,7 +13,7 @@
 #if defined(__AVX512BF16__)
 namespace {
 
-void check_bf16(const torch::Tensor& t, const char* name) {
+void check_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name, " must be a bf16 CPU tensor");
 }
 
@@ -22,7 +22,7 @@ void check_bf16(const torch::Tensor& t, const char* name) {
 // y = residual / rms(residual) * weight, row by row, for a contiguous [T, H] residual with H % 16 == 0.
 // With delta, first residual += delta in place, rounded to bf16 as `h = h + delta` rounds. The weight is bf16,
 // or fp32 for Gemma's (1 + w), whose product transformers computes in fp32 before its one cast: so does this.
-torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+at::Tensor rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight,
                        double eps) {
   check_bf16(residual, "residual");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
@@ -30,13 +30,13 @@ torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delt
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.size(1) % 16 == 0,
               "residual must be contiguous [T, H] with H a multiple of 16");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1), "weight must be [H]");
-  torch::Tensor added;
+  at::Tensor added;
   if (delta.has_value()) {
     added = delta->contiguous();
     check_bf16(added, "delta");
     TORCH_CHECK(added.sizes() == residual.sizes(), "delta and residual differ in shape");
   }
-  auto out = torch::empty_like(residual);
+  auto out = at::empty_like(residual);
   const int64_t hidden = residual.size(1);
   at::BFloat16* r = residual.data_ptr<at::BFloat16>();
   const at::BFloat16* d = added.defined() ? added.data_ptr<at::BFloat16>() : nullptr;
@@ -70,7 +70,7 @@ torch::Tensor rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delt
 // In place, HF's rotate-half layout: for i < D/2, (a, b) = (x[i], x[i + D/2]) becomes
 // (a·cos − b·sin, b·cos + a·sin) at each token's position. x: [T, H, D] with rows at any stride (the
 // q and k heads inside the fused qkv output); cos, sin: [max_positions, D] tables; D/2 % 16 == 0.
-void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
   check_bf16(x, "x");
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
@@ -79,7 +79,7 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
               "x must be [T, H, D] with contiguous heads and D a multiple of 32");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == dim && sin.sizes() == cos.sizes(),
               "cos and sin must be [max_positions, D]");
-  auto pos = positions.to(torch::kLong).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
   TORCH_CHECK(pos.numel() == x.size(0), "one position per token");
   const int64_t* p = pos.data_ptr<int64_t>();
   const int64_t row_stride = x.stride(0), max_positions = cos.size(0);
@@ -107,12 +107,12 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
 // act(gate) · up for the fused gate|up projection [T, 2I] → [T, I]; one rounding instead of torch's
 // three (the activation, then the product), and one pass instead of two over a non-contiguous half.
 template <typename Activation>
-torch::Tensor gated(const torch::Tensor& gate_up, Activation act) {
+at::Tensor gated(const at::Tensor& gate_up, Activation act) {
   check_bf16(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 32 == 0,
               "gate_up must be contiguous [T, 2I] with I a multiple of 16");
   const int64_t width = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), width}, gate_up.options());
   const at::BFloat16* in = gate_up.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, gate_up.size(0), 4, [&](int64_t begin, int64_t end) {
@@ -131,11 +131,11 @@ inline __m512 x_sigmoid(__m512 x, __m512 kx) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), kx))));
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   return gated(gate_up, [](__m512 g) { return x_sigmoid(g, g); });
 }
 
-torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up) {
   return gated(gate_up, [](__m512 g) {
     const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
     const __m512 u = _mm512_fmadd_ps(cube, _mm512_set1_ps(0.044715f), g);

@@ -3,7 +3,7 @@
 // loops, so the compiler vectorizes them for whatever -march the build targets (x86-64-v3 for AVX2 + FMA,
 // x86-64-v4 and up for AVX-512). As for bf16, at batch 1 torch spends more on dispatching these (a dozen
 // ops per layer) than on the arithmetic.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -12,7 +12,7 @@
 
 namespace {
 
-void check_f32(const torch::Tensor& t, const char* name) {
+void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, " must be a float32 CPU tensor");
 }
 
@@ -40,19 +40,19 @@ inline float exp_approx(float x) {
 
 // y = residual / rms(residual) * weight per row of a contiguous [T, H] residual; with delta, first
 // residual += delta in place.
-torch::Tensor rms_norm_f32(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+at::Tensor rms_norm_f32(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight,
                            double eps) {
   check_f32(residual, "residual");
   check_f32(weight, "weight");
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be contiguous [T, H]");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1), "weight must be [H]");
-  torch::Tensor added;
+  at::Tensor added;
   if (delta.has_value()) {
     added = delta->contiguous();
     check_f32(added, "delta");
     TORCH_CHECK(added.sizes() == residual.sizes(), "delta and residual differ in shape");
   }
-  auto out = torch::empty_like(residual);
+  auto out = at::empty_like(residual);
   const int64_t hidden = residual.size(1);
   float* r = residual.data_ptr<float>();
   const float* d = added.defined() ? added.data_ptr<float>() : nullptr;
@@ -78,7 +78,7 @@ torch::Tensor rms_norm_f32(torch::Tensor residual, c10::optional<torch::Tensor> 
 
 // In place, HF's rotate-half layout (see rotary_ in layer_ops.cpp): x [T, H, D] with contiguous heads at
 // any row stride; cos, sin [max_positions, D].
-void rotary_f32_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+void rotary_f32_(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
   check_f32(x, "x");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
@@ -87,7 +87,7 @@ void rotary_f32_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, to
   const int64_t heads = x.size(1), dim = x.size(2), half = dim / 2;
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == dim && sin.sizes() == cos.sizes(),
               "cos and sin must be [max_positions, D]");
-  auto pos = positions.to(torch::kLong).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
   TORCH_CHECK(pos.numel() == x.size(0), "one position per token");
   const int64_t* p = pos.data_ptr<int64_t>();
   const int64_t row_stride = x.stride(0), max_positions = cos.size(0);
@@ -114,12 +114,12 @@ void rotary_f32_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, to
 
 // act(gate) · up for the fused gate|up projection [T, 2I] → [T, I], in one pass.
 template <typename Activation>
-torch::Tensor gated_f32(const torch::Tensor& gate_up, Activation act) {
+at::Tensor gated_f32(const at::Tensor& gate_up, Activation act) {
   check_f32(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous [T, 2I]");
   const int64_t width = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), width}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, gate_up.size(0), 4, [&](int64_t begin, int64_t end) {
@@ -133,12 +133,12 @@ torch::Tensor gated_f32(const torch::Tensor& gate_up, Activation act) {
   return out;
 }
 
-torch::Tensor silu_and_mul_f32(torch::Tensor gate_up) {
+at::Tensor silu_and_mul_f32(at::Tensor gate_up) {
   return gated_f32(gate_up, [](float g) { return g / (1.f + exp_approx(-g)); });
 }
 
 // tanh-GELU as x · sigmoid(2u), u = sqrt(2/π)·(x + 0.044715·x³): 0.5·(1 + tanh(u)) = sigmoid(2u)
-torch::Tensor gelu_tanh_and_mul_f32(torch::Tensor gate_up) {
+at::Tensor gelu_tanh_and_mul_f32(at::Tensor gate_up) {
   return gated_f32(gate_up, [](float g) {
     return g / (1.f + exp_approx(-1.5957691216057308f * (g + 0.044715f * g * g * g)));
   });

@@ -9,7 +9,7 @@
 // each broadcast, level with oneDNN at prefill sizes. On a CPU with AMX, 2 rows and more run on its tiles over
 // the same layout (linear_bf16_amx.cpp). The packing (`engine_core/models/layers/linear.py`) pads N to 16 with
 // zero rows; K must be even.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "bf16_tiles.h"
@@ -65,8 +65,8 @@ void run(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16_t* wp,
 
 // x [M, K] bf16 (rows contiguous), packed [ceil(N/16), K/2, 16, 2] bf16, bias [N] or none → y [M, N] bf16, or
 // fp32 with out_fp32 (the LM head: logits keep the fp32 sums).
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                          c10::optional<torch::Tensor> bias, bool out_fp32) {
+at::Tensor linear_bf16(at::Tensor x, at::Tensor packed, int64_t out_features,
+                          c10::optional<at::Tensor> bias, bool out_fp32) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: [M, K] bf16, rows contiguous");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == 2,
@@ -75,12 +75,12 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   TORCH_CHECK(2 * k2s == k, "x has ", k, " inputs, the packed weight ", 2 * k2s);
   TORCH_CHECK(out_features > 16 * (blocks - 1) && out_features <= 16 * blocks, "out_features ", out_features,
               " does not match ", blocks, " blocks of 16");
-  torch::Tensor bias_f32;
+  at::Tensor bias_f32;
   if (bias) {
     TORCH_CHECK(bias->numel() == out_features, "bias: [", out_features, "]");
     bias_f32 = bias->to(at::kFloat).contiguous();  // no copy for the fp32 bias Linear keeps
   }
-  auto y = torch::empty({rows, out_features}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  auto y = at::empty({rows, out_features}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
   if (rows == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());

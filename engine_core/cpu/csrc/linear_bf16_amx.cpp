@@ -3,7 +3,7 @@
 // they lie and the activations are A (16 rows × 32 inputs). Each pass keeps 2 × 2 tiles of 16 × 16 fp32 sums
 // (two blocks of rows by two blocks of outputs), so each tile load feeds two TDPBF16PS. One layout serves every
 // step: a lone decode row stays on the vdpbf16ps kernel (linear_bf16.cpp), and oneDNN's copy is not needed.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "amx.h"

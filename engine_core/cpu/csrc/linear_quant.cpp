@@ -5,7 +5,7 @@
 // a CPU with AVX-512 BF16 take linear_quant_bf16.cpp's path instead: the same exact weights, its codes in
 // vdpbf16ps. A tile of kOut outputs × kRows rows keeps its sums in registers, so a decode step reads each weight
 // once for all its rows. K must be a multiple of 32.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "quant_tile_avx2.h"
@@ -134,8 +134,8 @@ Group group_of(int64_t group, int64_t k, int64_t bits) {
   return kGroupRow;
 }
 
-QuantWeight weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
-                      const c10::optional<torch::Tensor>& mins, int64_t n, int64_t k, int64_t bits,
+QuantWeight weight_of(const at::Tensor& codes, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& mins, int64_t n, int64_t k, int64_t bits,
                       int64_t group) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8, not ", bits);
   TORCH_CHECK(k % 32 == 0 && k > 0, "the inputs (", k, ") must be a multiple of 32");
@@ -156,14 +156,14 @@ QuantWeight weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
 struct Call {
   QuantWeight w;
   Group g;
-  torch::Tensor bias_f32;
+  at::Tensor bias_f32;
   int64_t rows, k, n;
   const float* bias() const { return bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr; }
 };
 
-Call check(const torch::Tensor& out, int64_t col0, const torch::Tensor& x, const torch::Tensor& codes,
-           const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins, int64_t bits, int64_t group,
-           const c10::optional<torch::Tensor>& bias) {
+Call check(const at::Tensor& out, int64_t col0, const at::Tensor& x, const at::Tensor& codes,
+           const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1,
               "x: [M, K], out: [M, N'] with contiguous rows");
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
@@ -181,8 +181,8 @@ Call check(const torch::Tensor& out, int64_t col0, const torch::Tensor& x, const
 // out[:, col0 : col0 + N] = x · Wᵀ (+ bias). out: [M, ≥ col0 + N] fp32 or bf16, rows contiguous; x: [M, K] any
 // float dtype (widened to fp32 once); several parts of one fused projection (q|k|v stored in different formats)
 // write their columns of one output.
-void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                   c10::optional<torch::Tensor> mins, int64_t bits, int64_t group, c10::optional<torch::Tensor> bias) {
+void linear_quant_(at::Tensor out, int64_t col0, at::Tensor x, at::Tensor codes, at::Tensor scales,
+                   c10::optional<at::Tensor> mins, int64_t bits, int64_t group, c10::optional<at::Tensor> bias) {
   const Call call = check(out, col0, x, codes, scales, mins, bits, group, bias);
   const QuantWeight& w = call.w;
   const Group g = call.g;
@@ -201,7 +201,7 @@ void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tens
     return;
   }
 #endif
-  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out: fp32 or bf16");
   const float* xp = xf.data_ptr<float>();
   if (out.scalar_type() == at::kFloat) {
@@ -216,9 +216,9 @@ void linear_quant_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tens
 #if defined(__AVX512BF16__)
 // linear_quant_ for prefill-sized steps on a CPU with AVX-512 BF16 and no AMX: the weight rounded to bf16 a block at
 // a time (as the dequantize-then-GEMM path rounds it) and linear_bf16's tiles; x bf16.
-void linear_quant_rows_(torch::Tensor out, int64_t col0, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                        c10::optional<torch::Tensor> mins, int64_t bits, int64_t group,
-                        c10::optional<torch::Tensor> bias) {
+void linear_quant_rows_(at::Tensor out, int64_t col0, at::Tensor x, at::Tensor codes, at::Tensor scales,
+                        c10::optional<at::Tensor> mins, int64_t bits, int64_t group,
+                        c10::optional<at::Tensor> bias) {
   const Call call = check(out, col0, x, codes, scales, mins, bits, group, bias);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: bf16, rows contiguous");
   if (call.rows == 0) return;
@@ -234,13 +234,13 @@ void linear_quant_rows_(torch::Tensor out, int64_t col0, torch::Tensor x, torch:
 
 // The whole weight dequantized, [N, K] in `dtype` (fp32 or bf16): for prefill-sized steps, whose matmul then
 // runs on the dtype's GEMM (AMX or AVX-512 for bf16).
-torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+at::Tensor dequantize_quant(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
                                int64_t bits, int64_t group, int64_t k, at::ScalarType dtype) {
   const int64_t n = codes.size(0);
   const QuantWeight w = weight_of(codes, scales, mins, n, k, bits, group);
   const Group g = group_of(group, k, bits);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype: fp32 or bf16");
-  auto y = torch::empty({n, k}, codes.options().dtype(dtype));
+  auto y = at::empty({n, k}, codes.options().dtype(dtype));
   auto fill = [&](auto* yp) {
     at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)

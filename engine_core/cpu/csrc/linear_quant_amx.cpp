@@ -5,7 +5,7 @@
 // accumulators, one fma per output for all the rows at once. That path spends two instructions per 32 weights
 // per row; here the rows are nearly free, and a step costs the decode and the read. The weights are the format's,
 // nothing rounded: every row count computes the same products.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "amx.h"

@@ -10,7 +10,7 @@
 // at a time (tile_pairs): 32 bytes widened once give both groups' low codes and, shifted, their high codes,
 // against the activations permuted once a call to that order (pair_order); one fma applies both groups' scales.
 // That is 8 instructions per 64 weights and row instead of 12.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "quant_weight.h"

@@ -4,7 +4,7 @@
 // and linear_bf16's register tiles run every row against it. Dequantizing the whole weight and handing it to oneDNN
 // instead made oneDNN pack it again in every call: a 100-token prefill took 1.7x the time of the same GEMM on a
 // weight packed once (docs/benchmarks.md, issue 31).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "bf16_tiles.h"

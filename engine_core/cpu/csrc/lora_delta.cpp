@@ -5,7 +5,7 @@
 // ~30 µs of fixed cost each) that the torch path needs per projection. Rows with the same adapter go in
 // blocks of up to 4, so a weight loaded (and widened from bf16) once serves them all. Plain C++ over raw
 // bits: the compiler vectorizes it for whatever -march the build targets.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -91,7 +91,7 @@ void delta_block(const T* x, int64_t in, const int64_t* rows, int n, const T* a,
 }
 
 template <typename T>
-void lora_delta_typed(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
+void lora_delta_typed(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor slots,
                       int64_t rank, const std::vector<int64_t>& bounds) {
   const int64_t rows = x.size(0), in = x.size(1), ranks = a.size(1), out_cols = b.size(2);
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -132,7 +132,7 @@ void lora_delta_typed(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch
 // a [S, n_sub * rank, I] and b [S, n_sub * rank, O]: per adapter slot, each sub-module's rank rows of A
 // (transposed) and of B (scaled), sub-module k owning rank rows [k * rank, (k + 1) * rank) and output
 // columns [bounds[k], bounds[k + 1]); slots [T] int64, a row's slot or -1 for no adapter.
-void lora_delta_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
+void lora_delta_(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor slots,
                  int64_t rank, std::vector<int64_t> bounds) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, I] CPU tensor");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1, "out must be [T, O], unit column stride");
@@ -141,7 +141,7 @@ void lora_delta_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Ten
               "b must be contiguous [S, R, O] matching a");
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && a.scalar_type() == x.scalar_type() &&
                   b.scalar_type() == x.scalar_type(), "out, x, a and b must share a dtype");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == x.size(0),
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
               "slots must be int64 [T]");
   TORCH_CHECK(bounds.size() >= 2 && bounds.front() == 0 && bounds.back() <= b.size(2) && bounds.back() <= out.size(1),
               "bounds must run from 0 to at most O");
@@ -153,8 +153,8 @@ void lora_delta_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Ten
     TORCH_CHECK(slot[t] >= -1 && slot[t] < a.size(0), "row ", t, " has slot ", slot[t], " of ", a.size(0));
   }
   switch (x.scalar_type()) {
-    case torch::kFloat32: return lora_delta_typed<float>(out, x, a, b, slots, rank, bounds);
-    case torch::kBFloat16: return lora_delta_typed<uint16_t>(out, x, a, b, slots, rank, bounds);
+    case at::kFloat: return lora_delta_typed<float>(out, x, a, b, slots, rank, bounds);
+    case at::kBFloat16: return lora_delta_typed<uint16_t>(out, x, a, b, slots, rank, bounds);
     default: TORCH_CHECK(false, "lora_delta_ takes float32 or bfloat16, not ", x.scalar_type());
   }
 }

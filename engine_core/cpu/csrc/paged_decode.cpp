@@ -3,7 +3,7 @@
 // sequence, or with a sliding window W only the last W of them (the only ones read, so a long sequence costs
 // W keys), and its scores may be soft-capped, cap * tanh(s / cap), before the softmax (Gemma 2).
 // Work is split over (row, KV head) pairs; each pair serves its group of query heads (GQA).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "paged_decode_avx2.h"
@@ -313,14 +313,14 @@ void dispatch(const Args<scalar_t>& args) {
 
 // This step's keys or values, [T, Hkv, D] with each token's heads contiguous (a view into the qkv projection is),
 // copied into their cache slots: what two index_copy_ calls a layer did, without their dispatch.
-void write_slots(torch::Tensor& cache, const torch::Tensor& rows, const torch::Tensor& slots) {
+void write_slots(at::Tensor& cache, const at::Tensor& rows, const at::Tensor& slots) {
   TORCH_CHECK(rows.dim() == 3 && rows.size(1) == cache.size(2) && rows.size(2) == cache.size(3) &&
                   rows.scalar_type() == cache.scalar_type(),
               "new keys and values: [T, Hkv, D] in the cache's dtype");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == rows.size(0),
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == rows.size(0),
               "slots: [T] int64");
-  const torch::Tensor src = rows.stride(2) == 1 && rows.stride(1) == rows.size(2) ? rows : rows.contiguous();
-  const torch::Tensor where = slots.contiguous();
+  const at::Tensor src = rows.stride(2) == 1 && rows.stride(1) == rows.size(2) ? rows : rows.contiguous();
+  const at::Tensor where = slots.contiguous();
   const int64_t total = cache.size(0) * cache.size(1), element = cache.element_size();
   const int64_t bytes = cache.size(2) * cache.size(3) * element, src_step = src.stride(0) * element;
   const int64_t* slot = where.data_ptr<int64_t>();
@@ -336,10 +336,10 @@ void write_slots(torch::Tensor& cache, const torch::Tensor& rows, const torch::T
 // [T] int64 (position + 1); window: 0 or the keys a row sees, its own included; softcap: 0 or the cap. With k, v
 // ([T, Hkv, D]) and slots ([T]), this step's keys and values are written to their slots first (a prefill row reads
 // its own). Returns [T, Hq, D].
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                           torch::Tensor key_counts, double scale, int64_t window, double softcap,
-                           c10::optional<torch::Tensor> k, c10::optional<torch::Tensor> v,
-                           c10::optional<torch::Tensor> slots) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                           at::Tensor key_counts, double scale, int64_t window, double softcap,
+                           c10::optional<at::Tensor> k, c10::optional<at::Tensor> v,
+                           c10::optional<at::Tensor> slots) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
@@ -351,9 +351,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     write_slots(v_cache, *v, *slots);
   }
   q = q.contiguous();
-  block_table = block_table.to(torch::kLong).contiguous();
-  key_counts = key_counts.to(torch::kLong).contiguous();
-  auto out = torch::empty_like(q);
+  block_table = block_table.to(at::kLong).contiguous();
+  key_counts = key_counts.to(at::kLong).contiguous();
+  auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     const Args<scalar_t> args{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                               block_table.data_ptr<int64_t>(), key_counts.data_ptr<int64_t>(),

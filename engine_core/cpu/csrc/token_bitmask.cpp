@@ -2,7 +2,7 @@
 // allows token j; every other token's logit becomes -inf. Word by word, so the all-allowed words (a JSON
 // string's contents) and the all-refused ones (between keys) cost one test each: ~10x under xgrammar's
 // element-by-element CPU kernel on a 49k vocab. Plain C++: the compiler vectorizes it for any -march.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <vector>
@@ -33,11 +33,11 @@ static void mask_rows(void* data, const int32_t* words, int64_t stride, int64_t 
   for (const int64_t r : rows) mask_row<Bits>(base + r * vocab, words + r * stride, vocab, refused);
 }
 
-void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, std::vector<int64_t> rows) {
+void apply_token_bitmask_(at::Tensor logits, at::Tensor bitmask, std::vector<int64_t> rows) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous(),
               "logits must be a contiguous [rows, vocab] CPU tensor");
   TORCH_CHECK(bitmask.device().is_cpu() && bitmask.dim() == 2 && bitmask.is_contiguous() &&
-                  bitmask.scalar_type() == torch::kInt32,
+                  bitmask.scalar_type() == at::kInt,
               "the bitmask must be a contiguous int32 [rows, words] CPU tensor");
   const int64_t vocab = logits.size(1);
   TORCH_CHECK(bitmask.size(1) * 32 >= vocab, "the bitmask is narrower than the vocab");
@@ -47,9 +47,9 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, std::vect
   const int32_t* words = bitmask.data_ptr<int32_t>();
   const int64_t stride = bitmask.size(1);
   switch (logits.scalar_type()) {
-    case torch::kFloat32: return mask_rows<uint32_t>(logits.data_ptr(), words, stride, vocab, rows, 0xFF800000u);
-    case torch::kBFloat16: return mask_rows<uint16_t>(logits.data_ptr(), words, stride, vocab, rows, 0xFF80u);
-    case torch::kFloat16: return mask_rows<uint16_t>(logits.data_ptr(), words, stride, vocab, rows, 0xFC00u);
+    case at::kFloat: return mask_rows<uint32_t>(logits.data_ptr(), words, stride, vocab, rows, 0xFF800000u);
+    case at::kBFloat16: return mask_rows<uint16_t>(logits.data_ptr(), words, stride, vocab, rows, 0xFF80u);
+    case at::kHalf: return mask_rows<uint16_t>(logits.data_ptr(), words, stride, vocab, rows, 0xFC00u);
     default: TORCH_CHECK(false, "logits must be float32, bfloat16 or float16, not ", logits.scalar_type());
   }
 }
