@@ -253,9 +253,10 @@ def test_a_gateway_restarted_mid_rollout_resumes_at_the_same_step_with_its_windo
         text, env = scripted_config({"a": a, "b": b}, "a"), {"LLMGW_STATE_DIR": str(tmp_path / "state")}
         with running_gateway(text, tmp_path, env=env) as url:
             assert start(url, "m", "b", held(error_rate_increase=0.5)).status_code == 201
-            served_by(url, 40)
-            before = wait_until(lambda: (r := rollout(url, "m"))["window"].get("candidate", {}).get("requests", 0)
-                                >= 5 and r, "a look at the first step")
+            # the split is random and a look comes as the samples grow by half: serve until a look has counted
+            # 5 candidate requests, not a fixed number (40 left one CI run short of such a look)
+            before = wait_until(lambda: served_by(url, 10) and (r := rollout(url, "m"))["window"]
+                                .get("candidate", {}).get("requests", 0) >= 5 and r, "a look at the first step")
         with running_gateway(text, tmp_path, env=env) as url:
             after = rollout(url, "m")
             assert (after["state"], after["step"], after["weight"]) == ("running", 0, 30)
