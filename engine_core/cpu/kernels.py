@@ -25,6 +25,8 @@ from engine_core.cpu.features import ISA_LEVELS, cpu_features
 
 log = logging.getLogger("llmgw.engine")
 CSRC = Path(__file__).with_name("csrc")
+# only bindings.cpp includes torch/extension.h (pybind11): the others take ATen/ATen.h and at:: names, which
+# compile in 8 s a file instead of 29 (a whole build 96 s instead of 330 on 2 AVX2 cores)
 SOURCES = [CSRC / name for name in
            ("paged_decode.cpp", "layer_ops.cpp", "layer_ops_f32.cpp", "token_bitmask.cpp", "lora_delta.cpp",
             "linear_bf16.cpp", "linear_bf16_amx.cpp", "linear_quant.cpp", "linear_quant_bf16.cpp",
