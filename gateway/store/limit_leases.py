@@ -11,6 +11,7 @@ on every request: budgets stay exact under concurrency. Envoy's and Doorman's qu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from gateway.store.limits import KeyLimits
@@ -30,7 +31,7 @@ class Lease:
     returned: bool = False
 
     def usable(self, limits: KeyLimits, now: float) -> bool:
-        return self.limits == limits and now - self.taken < LEASE_SECONDS
+        return (self.limits is limits or self.limits == limits) and now - self.taken < LEASE_SECONDS
 
     def shortfall(self, amount: int, count_request: bool) -> tuple[int, int]:
         """(requests, tokens) this lease lacks to admit the request."""
@@ -39,10 +40,13 @@ class Lease:
         return max(0, need_requests - self.requests), max(0, need_tokens - self.tokens)
 
     def take(self, amount: int, count_request: bool) -> bool:
-        if self.shortfall(amount, count_request) != (0, 0):
+        """Admit from this share if it holds enough (on every request of a leased key: kept to a few compares)."""
+        requests = 1 if count_request and self.limits.rpm is not None else 0
+        tokens = amount if self.limits.tpm is not None else 0
+        if requests > self.requests or tokens > self.tokens:
             return False
-        self.requests -= 1 if self.limits.rpm is not None and count_request else 0
-        self.tokens -= amount if self.limits.tpm is not None else 0
+        self.requests -= requests
+        self.tokens -= tokens
         return True
 
     def refund(self, tokens: int) -> bool:
@@ -55,6 +59,15 @@ class Lease:
 
 def lease_sizes(limits: KeyLimits, amount: int, fraction: float) -> tuple[int, int] | None:
     """(requests, tokens) to lease at a time for this key, or None: this request asks Redis itself."""
+    sizes = _key_lease_sizes(limits, fraction)
+    if sizes is None or (limits.tpm is not None and sizes[1] < amount):
+        return None
+    return sizes
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_lease_sizes(limits: KeyLimits, fraction: float) -> tuple[int, int] | None:
+    """A key's lease sizes whatever the request (worked out once per key and its limits, not per request)."""
     if fraction <= 0 or limits.tokens_per_day is not None or limits.tokens_per_month is not None:
         return None
     requests = tokens = 0
@@ -64,6 +77,6 @@ def lease_sizes(limits: KeyLimits, amount: int, fraction: float) -> tuple[int, i
             return None
     if limits.tpm is not None:
         tokens = int(limits.tpm * fraction)
-        if tokens < max(amount, MIN_REQUESTS):
+        if tokens < MIN_REQUESTS:
             return None
     return requests, tokens
