@@ -24,7 +24,7 @@ from backends.base import (
     Usage,
     describe,
 )
-from gateway.closing import close_detached
+from gateway.closing import close_detached, detached
 from gateway.errors import GatewayError
 from gateway.policy.auth import current_principal
 from gateway.routing.router import ModelRoute
@@ -326,19 +326,23 @@ class ClientGone(Exception):
 async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]) -> T:
     """Await `work` in this task, but cancel it (aborting the engine request or closing the upstream one) if
     the client hangs up first. The request body has been read, so the next ASGI message is a disconnect. One
-    watcher task per request: `work` runs where it is awaited, not in a task of its own."""
+    watcher task per request: `work` runs where it is awaited, not in a task of its own. The watcher is not
+    cancelled when `work` ends: the server's receive says "disconnect" once the response is complete, and the
+    watcher then ends by itself. (A cancelled watcher left its CancelledError, traceback and frames in a reference
+    cycle, about 50 objects a request for the garbage collector, which took 7% of the gateway's CPU.)"""
     current = asyncio.current_task()
     assert current is not None
-    gone = False
+    gone = done = False
 
     async def disconnected() -> None:
         nonlocal gone
         while (await receive())["type"] != "http.disconnect":
             pass
-        gone = True
-        current.cancel()
+        if not done:
+            gone = True
+            current.cancel()
 
-    watcher = asyncio.ensure_future(disconnected())
+    detached(disconnected())
     try:
         return await work
     except asyncio.CancelledError:
@@ -346,7 +350,7 @@ async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awai
             raise ClientGone from None
         raise
     finally:
-        watcher.cancel()
+        done = True
 
 
 async def merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tuple[int, TokenEvent]]:

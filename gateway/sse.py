@@ -11,7 +11,7 @@ from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
-from gateway.closing import close_detached
+from gateway.closing import close_detached, detached
 
 KEEPALIVE = b":\n\n"  # a comment line, as axum's KeepAlive sends
 KEEPALIVE_SECONDS = 15.0  # axum's KeepAlive default (TGI)
@@ -51,17 +51,20 @@ class _SSEBody(ASGIStreamingResponse):
         writer = _Writer(send)
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.ensure_future(_watch(receive, task, writer, keepalive_seconds))
+        # the watcher ends by itself once the response is complete (see unless_disconnected: not cancelled, so no
+        # CancelledError and traceback cycle per stream for the garbage collector)
+        detached(_watch(receive, task, writer, keepalive_seconds))
         try:
             async for chunk in events:  # type: ignore[union-attr]
                 await writer.write(chunk if isinstance(chunk, bytes) else chunk.encode())
+            writer.finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if writer.gone and task.uncancel() == 0:
                 return  # the client left (the watcher's cancel, nobody else's): nobody to answer
             raise
         finally:
-            watcher.cancel()
+            writer.finished = True
             await close_detached(events)  # type: ignore[arg-type]
 
 
@@ -72,6 +75,7 @@ class _Writer:
         self.last = self.loop.time()  # of the last write
         self.sending = False
         self.gone = False  # the client disconnected
+        self.finished = False  # the stream ended (its last write sent, or it failed): the watcher stops
 
     async def write(self, chunk: bytes) -> None:
         self.sending = True
@@ -85,15 +89,16 @@ class _Writer:
 async def _watch(receive: Receive, task: asyncio.Task[Any], writer: _Writer, interval: float) -> None:
     """Until the client disconnects (then cancel the writing task): a keep-alive comment after each
     `interval` seconds without a write. The request body has been read: the next message is a disconnect."""
-    while True:
+    while not writer.finished:
         try:
             async with asyncio.timeout(max(0.0, writer.last + interval - writer.loop.time())):
                 message = await receive()
         except TimeoutError:
-            if not writer.sending and writer.loop.time() - writer.last >= interval:
+            if not writer.finished and not writer.sending and writer.loop.time() - writer.last >= interval:
                 await writer.write(KEEPALIVE)
             continue
         if message["type"] == "http.disconnect":
-            writer.gone = True
-            task.cancel()
+            if not writer.finished:
+                writer.gone = True
+                task.cancel()
             return
