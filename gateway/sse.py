@@ -57,7 +57,7 @@ class _SSEBody(ASGIStreamingResponse):
         try:
             async for chunk in events:  # type: ignore[union-attr]
                 await writer.write(chunk if isinstance(chunk, bytes) else chunk.encode())
-            writer.finished = True
+            writer.finished = True  # before the last send: the watcher may run while it is awaited
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if writer.gone and task.uncancel() == 0:

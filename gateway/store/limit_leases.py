@@ -33,16 +33,19 @@ class Lease:
     def usable(self, limits: KeyLimits, now: float) -> bool:
         return (self.limits is limits or self.limits == limits) and now - self.taken < LEASE_SECONDS
 
+    def _need(self, amount: int, count_request: bool) -> tuple[int, int]:
+        """(requests, tokens) the request takes from this share: only what the key limits."""
+        return (1 if count_request and self.limits.rpm is not None else 0,
+                amount if self.limits.tpm is not None else 0)
+
     def shortfall(self, amount: int, count_request: bool) -> tuple[int, int]:
         """(requests, tokens) this lease lacks to admit the request."""
-        need_requests = 1 if self.limits.rpm is not None and count_request else 0
-        need_tokens = amount if self.limits.tpm is not None else 0
-        return max(0, need_requests - self.requests), max(0, need_tokens - self.tokens)
+        requests, tokens = self._need(amount, count_request)
+        return max(0, requests - self.requests), max(0, tokens - self.tokens)
 
     def take(self, amount: int, count_request: bool) -> bool:
         """Admit from this share if it holds enough (on every request of a leased key: kept to a few compares)."""
-        requests = 1 if count_request and self.limits.rpm is not None else 0
-        tokens = amount if self.limits.tpm is not None else 0
+        requests, tokens = self._need(amount, count_request)
         if requests > self.requests or tokens > self.tokens:
             return False
         self.requests -= requests
