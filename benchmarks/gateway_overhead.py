@@ -7,8 +7,9 @@ backend) and through LiteLLM's proxy (one worker each), measured in one run.
 Measures, for each target: non-streaming latency at concurrency 1, streaming TTFT at concurrency 1,
 and the saturated non-streaming and streaming request rates at concurrency 16. The gateway's variants run
 --rounds times (3), interleaved, and each figure is the median of its runs: one run's figures moved by 10-20%
-from run to run on a shared 2-core machine. A variant's rate against the baseline (the targets) is the median
-of its runs' ratios to the baseline's run in the same round. --portkey VERSION adds
+from run to run on a shared 2-core machine; each round's ratio to the baseline is printed too. With
+--state-variants, the key variants' rate target is held in alternating windows instead (alternating.py).
+--portkey VERSION adds
 Portkey's open-source gateway, installed from npm at benchmark time (node and npm needed).
 
 --fronts-variants adds `[server] workers = 1` against "auto" (a front per core), each with a stored key on
@@ -38,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import alternating  # noqa: E402
 import loadgen  # noqa: E402
 import overhead_services as services  # noqa: E402
 
@@ -124,34 +126,6 @@ def run_gateway(name: str, server: str, tables: str, key_body: dict | None, mock
         services.stop(gw)
 
 
-def alternating_windows(variants: dict[str, tuple[str, str, dict | None, str | None]], names: list[str],
-                        mock_port: int, logs: Path, windows: int, seconds: float,
-                        procs: list) -> dict[str, list[float]]:
-    """c=16 req/s of each named variant in `windows` rounds of short windows, the gateways all up at once and
-    taken in turn (the order rotating each round). A 10-second run's rate moved by 10-30% with the shared
-    machine's load from minute to minute; windows seconds apart share it, so their ratios are the steadier
-    comparison."""
-    started = {name: start_gateway(f"{name}-ab", *variants[name][:2], dict(variants[name][2], name=f"ab-{name}")
-                                   if variants[name][2] else None, mock_port, logs, procs) for name in names}
-    try:
-        def whole(port: int, token: str) -> bytes:
-            return loadgen.build_request("127.0.0.1", port, "/v1/chat/completions", json.dumps(BODY).encode(),
-                                         {"authorization": f"Bearer {token}"})
-
-        requests = {name: whole(port, token) for name, (_, port, token) in started.items()}
-        rates: dict[str, list[float]] = {name: [] for name in names}
-        for name in names:  # warm-up, as measure() does
-            asyncio.run(loadgen.run("127.0.0.1", started[name][1], requests[name], 16, count=2000))
-        for index in range(windows):
-            for name in names[index % len(names):] + names[:index % len(names)]:
-                result = asyncio.run(loadgen.run("127.0.0.1", started[name][1], requests[name], 16, duration=seconds))
-                rates[name].append(result.rate)
-        return rates
-    finally:
-        for proc, _, _ in started.values():
-            services.stop(proc)
-
-
 def run_portkey(version: str, mock_port: int, logs: Path, args: argparse.Namespace, procs: list) -> dict:
     """Portkey's open-source gateway (a Node server), installed from npm now, routed to the mock by its
     x-portkey-provider / x-portkey-custom-host headers."""
@@ -231,7 +205,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--ab-windows", type=int, default=20,
-                        help="with --state-variants: rounds of alternating windows (0: none), see alternating_windows")
+                        help="with --state-variants: rounds of alternating windows (0: none), see alternating.py")
     parser.add_argument("--ab-seconds", type=float, default=3.0, help="length of one alternating window")
     parser.add_argument("--telemetry-variants", action="store_true",
                         help="also measure the gateway with telemetry off, and with tracing on (console exporter)")
@@ -279,8 +253,10 @@ def main() -> None:
             results.setdefault("rounds", {})[name] = runs
         ab_names = [n for n in ("llm-gateway", "gw-key-sqlite", "gw-key-pg-redis") if n in variants]
         if args.state_variants and args.ab_windows > 0 and len(ab_names) > 1:
-            results["alternating"] = alternating_windows(variants, ab_names, mock_port, logs, args.ab_windows,
-                                                         args.ab_seconds, procs)
+            results["alternating"] = alternating.run(
+                {name: lambda name=name: start_gateway(f"{name}-ab", *variants[name][:2], alternating.own_key(
+                    variants[name][2], name), mock_port, logs, procs) for name in ab_names},
+                BODY, args.ab_windows, args.ab_seconds)
 
         if args.portkey:
             try:
@@ -381,16 +357,7 @@ def report(results: dict) -> None:
 
     for name in ("gw-key-sqlite", "gw-key-pg-redis"):
         versus(name, "llm-gateway", STATE_TARGETS)
-    alternating = results.get("alternating", {})
-    for name in ("gw-key-sqlite", "gw-key-pg-redis"):
-        if name in alternating and "llm-gateway" in alternating:
-            base = alternating["llm-gateway"]
-            ratios = sorted(a / b for a, b in zip(alternating[name], base))
-            q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-            print(f"{name} vs llm-gateway, alternating windows: c16 req/s {statistics.median(alternating[name]):.1f} "
-                  f"against {statistics.median(base):.1f}; ratio per window median {median:.3f}x "
-                  f"(quartiles {q1:.3f}-{q3:.3f}, {len(ratios)} windows; target >= {STATE_TARGETS['c16_ratio']}x: "
-                  f"{'ok' if median >= STATE_TARGETS['c16_ratio'] else 'MISSED'})")
+    alternating.report(results.get("alternating", {}), STATE_TARGETS["c16_ratio"])
     versus("litellm-db", "litellm")
     versus("gw-fronts-all", "gw-fronts-1", FRONTS_TARGETS)
     for name, rows in results.get("state_rows", {}).items():
