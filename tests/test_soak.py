@@ -118,6 +118,16 @@ def idle_metrics(url: str) -> str | None:
     return text if idle else None
 
 
+def aborted_and_idle(url: str, before: str, aborts: int) -> str | None:
+    """The metrics once the engine is idle and has counted `aborts` more aborts than in `before`. The abort is
+    counted just after its blocks are freed, in the engine's thread, so a scrape can fall between the two."""
+    text = idle_metrics(url)
+    if text is None:
+        return None
+    counted = gauge(text, "llmgw_abort_seconds_count") - gauge(before, "llmgw_abort_seconds_count")
+    return text if counted >= aborts else None
+
+
 def test_soak_loses_nothing_leaks_nothing_and_stays_healthy(gateway_url: str) -> None:
     process = psutil.Process(PROCESSES[gateway_url].pid)
     before = metrics(gateway_url)
@@ -132,7 +142,8 @@ def test_soak_loses_nothing_leaks_nothing_and_stays_healthy(gateway_url: str) ->
 
     # the end state, not how long it took: every block free, nothing running or waiting (how soon an abort
     # frees its blocks is counted in engine steps, below and in test_async_engine)
-    after = wait_until(lambda: idle_metrics(gateway_url), "the engine idle, blocks free")
+    after = wait_until(lambda: aborted_and_idle(gateway_url, before, REQUESTS // 8),
+                       "the engine idle, blocks free, each client that left mid-stream aborted")
     assert gauge(after, "llmgw_engine_kv_blocks_used") == 0 and gauge(after, "llmgw_engine_kv_blocks_total") > 0
     assert httpx.get(f"{gateway_url}/health", timeout=CLIENT_TIMEOUT).status_code == 200
     # every request was seen through to an answer (or the client's leaving) by the server
@@ -155,7 +166,7 @@ def test_a_client_leaving_a_stream_frees_its_blocks_within_engine_steps(gateway_
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # one token, then hang up
-    after = wait_until(lambda: idle_metrics(gateway_url), "the blocks freed")
+    after = wait_until(lambda: aborted_and_idle(gateway_url, before, 1), "the request aborted, its blocks freed")
     steps = gauge(after, "llmgw_engine_step_seconds_count") - gauge(before, "llmgw_engine_step_seconds_count")
     print(f"\nleft after one token of {asked}: {steps:.0f} engine steps in all")
     assert gauge(after, "llmgw_abort_seconds_count") - gauge(before, "llmgw_abort_seconds_count") == 1
@@ -173,7 +184,7 @@ def test_a_client_leaving_before_a_whole_answer_frees_its_blocks_within_engine_s
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
         wait_until(lambda: gauge(metrics(gateway_url), "llmgw_engine_running_seqs") >= 1, "the request running")
-    after = wait_until(lambda: idle_metrics(gateway_url), "the blocks freed")
+    after = wait_until(lambda: aborted_and_idle(gateway_url, before, 1), "the request aborted, its blocks freed")
     steps = gauge(after, "llmgw_engine_step_seconds_count") - gauge(before, "llmgw_engine_step_seconds_count")
     assert gauge(after, "llmgw_abort_seconds_count") - gauge(before, "llmgw_abort_seconds_count") == 1
     assert 1 <= steps < asked // 2, steps
