@@ -30,6 +30,7 @@ from engine_core.loader import (
 )
 from engine_core.lora import LoraAdapter, LoraError, LoraInUseError, LoraRegistry
 from engine_core.model_runner import ModelRunner, VerifyBatch
+from engine_core.models.layers.linear import QUANT_KERNEL_MAX_ROWS
 from engine_core.models.registry import build_model, load_model_args
 from engine_core.outputs import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from engine_core.sampling.params import SamplingParams
@@ -103,7 +104,10 @@ class LLMEngine(KvHandovers):
             self.model = build_model(self.model_args, state, dtype, self.max_model_len,
                                      select_attention(config, self.device), self.device, config.quantization)
             paths = ", ".join(f"{n} {path}" for path, n in self.model.linear_paths.items())
+            layers = ("Python" if self.model.stack is None
+                      else f"compiled decoder stack for steps of <= {QUANT_KERNEL_MAX_ROWS} rows")
             details.append(f"attention {self.model.attention.name}, layer ops {type(self.model.ops).__name__}, "
+                           f"decoder layers {layers}, "
                            f"quantization {config.quantization}, linear layers: {paths}")
             kept = describe_blocks(self.model_dir) if config.quantization == "auto" else ""
             if kept:

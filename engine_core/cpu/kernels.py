@@ -30,7 +30,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in
            ("paged_decode.cpp", "layer_ops.cpp", "layer_ops_f32.cpp", "token_bitmask.cpp", "lora_delta.cpp",
             "linear_bf16.cpp", "linear_bf16_amx.cpp", "linear_quant.cpp", "linear_quant_bf16.cpp",
-            "linear_quant_amx.cpp", "linear_quant_rows.cpp", "bindings.cpp")]
+            "linear_quant_amx.cpp", "linear_quant_rows.cpp", "decoder_stack.cpp", "bindings.cpp")]
 # the target CPU: by default the ISA this CPU has; an image built on one machine for others sets e.g. x86-64-v3
 MARCH_ENV = "LLMGW_KERNEL_MARCH"
 # -march for each ISA level, named rather than "native": a capped ISA (LLMGW_CPU_ISA) builds what it says,
@@ -50,7 +50,7 @@ class KernelBuild:
     @property
     def kernels(self) -> list[str]:
         names = ("paged_decode", "apply_token_bitmask_", "rms_norm", "rotary_", "silu_and_mul", "rms_norm_f32",
-                 "rotary_f32_", "silu_and_mul_f32", "lora_delta_", "linear_bf16", "linear_quant_")
+                 "rotary_f32_", "silu_and_mul_f32", "lora_delta_", "linear_bf16", "linear_quant_", "DecoderStack")
         return sorted(n for n in names if hasattr(self.module, n))
 
     def describe(self) -> str:

@@ -17,6 +17,7 @@ from engine_core.attention import AttentionBackend, AttentionMetadata, TorchRefe
 from engine_core.cpu.kernels import cpu_kernels
 from engine_core.lora.batch import LoraBatch
 from engine_core.models.args import ModelArgs
+from engine_core.models.layers.decoder_stack import build_decoder_stack, stack_serves
 from engine_core.models.layers.layer_ops import FusedLayerOps, TorchLayerOps
 from engine_core.models.layers.quant import QuantizedTensor
 from engine_core.models.layers.rotary import RotaryEmbedding
@@ -64,6 +65,7 @@ class DecoderModel:
         self.attention: AttentionBackend = attention or TorchReferenceAttention()
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
+        self.stack = build_decoder_stack(self, kernels)  # the layers in one compiled call, where it runs them
 
     def build_layer(self, weights: Weights, prefix: str, index: int) -> DecoderLayer:
         raise NotImplementedError
@@ -98,6 +100,9 @@ class DecoderModel:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         x = ops.norm(h, self.layers[0].input_norm)
+        if stack_serves(self.stack, input_ids.numel(), plan, lora):
+            return self.stack.forward(h, x, positions, self.k_caches, self.v_caches, plan.blocks, plan.key_counts,
+                                      meta.slot_mapping)[1]
         for layer, k_cache, v_cache, next_norm in zip(self.layers, self.k_caches, self.v_caches, self._next_norms):
             h, x = layer(h, x, next_norm, ops, self.attention, k_cache, v_cache, plan, lora)
         return x

@@ -2,6 +2,8 @@
 // fp32 fused layer ops and the quantized linear always, the bf16 fused layer ops and linear where the CPU has AVX-512 BF16 (Python checks for them by name).
 #include <torch/extension.h>
 
+#include "decoder_stack.h"
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                            torch::Tensor key_counts, double scale, int64_t window, double softcap,
                            c10::optional<torch::Tensor> k, c10::optional<torch::Tensor> v,
@@ -70,6 +72,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_quant", &dequantize_quant, "a quantized weight dequantized to [N, K] fp32 or bf16", release());
   m.def("lora_delta_", &lora_delta_, "each row's LoRA adapter delta added to a projection in place (fp32, bf16)",
         release());
+  pybind11::class_<StackProjection>(m, "StackProjection", "one matmul of a DecoderStack: plain fp32 or quantized parts")
+      .def(pybind11::init<int64_t>(), pybind11::arg("out_features"))
+      .def("set_dense", &StackProjection::set_dense, pybind11::arg("weight"), pybind11::arg("bias"))
+      .def("add_quant_part", &StackProjection::add_quant_part, pybind11::arg("col0"), pybind11::arg("codes"),
+           pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bits"), pybind11::arg("group"),
+           pybind11::arg("bias"));
+  pybind11::class_<DecoderStack>(m, "DecoderStack", "Llama-shaped fp32 decoder layers run in one call")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, bool>(), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("gelu"))
+      .def("add_layer", &DecoderStack::add_layer, pybind11::arg("input_norm"), pybind11::arg("post_attention_norm"),
+           pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"),
+           pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"))
+      .def("set_final_norm", &DecoderStack::set_final_norm)
+      .def("forward", &DecoderStack::forward, "(h, x) after every layer; h is updated in place", release());
 #if defined(__AVX512BF16__)
   m.def("rms_norm", &rms_norm, "RMSNorm, with an optional residual add in place (bf16)", release());
   m.def("rotary_", &rotary_, "rotary embeddings in place, rotate-half layout (bf16)", release());
