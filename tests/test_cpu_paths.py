@@ -98,7 +98,7 @@ def test_a_cpu_without_avx512_takes_the_avx2_build_and_logs_the_path(smollm_dir)
     assert run.returncode == 0, run.stderr[-3000:]
     log = run.stdout
     assert "dtype bfloat16 (set in the config)" in log and "path avx2" in log
-    assert ("-march=x86-64-v3 -O3 -ffast-math -fopenmp, compiled for avx2, kernels apply_token_bitmask_, "
+    assert ("-march=x86-64-v3 -O3 -ffast-math -fopenmp, compiled for avx2, kernels DecoderStack, apply_token_bitmask_, "
             "linear_quant_, lora_delta_, paged_decode, rms_norm_f32, rotary_f32_, silu_and_mul_f32\n") in log
     assert "ATTENTION cpu-paged OPS TorchLayerOps" in log
     assert log.count("compiled for avx2") == 1  # once, at start
