@@ -35,7 +35,8 @@ def random_quantized(n: int, k: int, bits: int, group: int, with_mins: bool, see
 
 FORMATS = [  # (bits, group or None for the whole row, mins): int8, Q6_K, Q8_0 / Q5_0, int4 / Q4_*
     (8, None, False), (8, 16, False), (8, 32, False), (4, 32, True), (4, 32, False), (8, 32, True)]
-SHAPES = [(1, 32, 1), (1, 576, 960), (3, 96, 37), (5, 1536, 64), (13, 64, 130), (16, 576, 7)]
+SHAPES = [(1, 32, 1), (1, 576, 960), (3, 96, 37), (5, 1536, 64), (13, 64, 130), (16, 576, 7), (11, 96, 37),
+          (10, 32, 8)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -60,6 +61,25 @@ def test_linear_quant_matches_the_dequantized_matmul(isa: str, bits: int, group:
     # fp32 activations (an fp32 model) meet the same exact weights
     kernels.linear_quant_(out, 3, x.float(), w.codes, w.scales, w.mins, bits, group or k, bias)
     torch.testing.assert_close(out[:, 3:3 + n], want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
+def test_a_row_gets_the_same_fp32_sums_in_a_step_of_4_8_or_12_rows(isa: str, bits: int, group: int | None,
+                                                                    mins: bool) -> None:
+    """Steps of 8 and more rows read weights widened once for all their rows (the AVX2 build); each block of 4 rows
+    must still get the sums a 4-row step gives it, to the bit, so a decode's logits do not move with the batch."""
+    kernels = kernels_for(isa)
+    k, n = 192, 45
+    w = random_quantized(n, k, bits, group or k, mins, seed=7)
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(n)
+    alone = torch.empty(4, n)
+    kernels.linear_quant_(alone, 0, x[4:8].clone(), w.codes, w.scales, w.mins, bits, group or k, bias)
+    for rows in (8, 12):
+        out = torch.empty(rows, n)
+        kernels.linear_quant_(out, 0, x[:rows].clone(), w.codes, w.scales, w.mins, bits, group or k, bias)
+        assert torch.equal(out[4:8], alone), rows
 
 
 ROWS_SHAPES = [(17, 64, 16), (33, 576, 37), (100, 96, 130), (25, 1536, 64)]

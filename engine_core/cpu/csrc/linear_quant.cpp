@@ -104,6 +104,41 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
       for (int j = 0; j < out; ++j)
         y[(r0 + i) * y_stride + n0 + j] = static_cast<T>(sums[i][j] + (bias ? bias[n0 + j] : 0.f));
   };
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (rows >= avx2::kWidenedMinRows) {
+    // blocks of kRows rows (and a last block of 3) read weights widened once per span of outputs; a last 1 or 2
+    // rows take the folded tile, as a step of that many rows does
+    const int64_t widened_rows = rows % kRows <= avx2::kFoldRows ? rows - rows % kRows : rows;
+    constexpr int64_t kSpan = 2 * avx2::kWidenedOut;
+    const int64_t spans = (n + kSpan - 1) / kSpan;
+    at::parallel_for(0, spans, std::max<int64_t>(1, 16384 / (kSpan * k)), [&](int64_t s0, int64_t s1) {
+      std::vector<float> widened(kSpan * k);
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t n0 = s * kSpan, span = std::min(kSpan, n - n0);
+        avx2::widen_rows(w, bits, group, n0, span, k, widened.data());
+        for (int64_t r0 = 0; r0 < widened_rows; r0 += kRows) {
+          const int r = static_cast<int>(std::min<int64_t>(kRows, widened_rows - r0));
+          for (int64_t j0 = 0; j0 < span; j0 += avx2::kWidenedOut) {
+            const int out = static_cast<int>(std::min<int64_t>(avx2::kWidenedOut, span - j0));
+            float sums[kRows][avx2::kWidenedOut];
+            avx2::tile_from_widened(out, r, widened.data() + j0 * k, x + r0 * k, k, sums);
+            for (int i = 0; i < r; ++i)
+              for (int j = 0; j < out; ++j)
+                y[(r0 + i) * y_stride + n0 + j0 + j] =
+                    static_cast<T>(sums[i][j] + (bias ? bias[n0 + j0 + j] : 0.f));
+          }
+        }
+        if (widened_rows < rows)
+          for (int64_t j = n0; j < n0 + span;) {
+            const int out = n0 + span - j >= kOut ? kOut : 1;
+            one_tile(j, out, widened_rows, static_cast<int>(rows - widened_rows));
+            j += out;
+          }
+      }
+    });
+    return;
+  }
+#endif
   const int64_t tiles = (n + kOut - 1) / kOut;
   const int64_t grain = std::max<int64_t>(1, 16384 / (kOut * k));  // a few thousand weights a task at least
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
@@ -243,19 +278,14 @@ at::Tensor dequantize_quant(at::Tensor codes, at::Tensor scales, c10::optional<a
   auto y = at::empty({n, k}, codes.options().dtype(dtype));
   auto fill = [&](auto* yp) {
     at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      if constexpr (std::is_same_v<std::remove_pointer_t<decltype(yp)>, float>) {
+        avx2::widen_rows(w, bits, g, r0, r1 - r0, k, yp + r0 * k);
+        return;
+      }
+#endif
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = 0; c < k; c += 32) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-          if constexpr (std::is_same_v<std::remove_pointer_t<decltype(yp)>, float>) {
-            __m256 wv[4];
-            if (bits == 4) avx2::widen<4, kGroup32>(w, r, c, wv);
-            else if (g == kGroup16) avx2::widen<8, kGroup16>(w, r, c, wv);
-            else if (g == kGroup32) avx2::widen<8, kGroup32>(w, r, c, wv);
-            else avx2::widen<8, kGroupRow>(w, r, c, wv);
-            for (int q = 0; q < 4; ++q) _mm256_storeu_ps(yp + r * k + c + 8 * q, wv[q]);
-            continue;
-          }
-#endif
           floats16 w0, w1;
           if (bits == 4) w.widen<4, kGroup32>(r, c, w0, w1);
           else if (g == kGroup16) w.widen<8, kGroup16>(r, c, w0, w1);
