@@ -36,7 +36,7 @@ def random_quantized(n: int, k: int, bits: int, group: int, with_mins: bool, see
 FORMATS = [  # (bits, group or None for the whole row, mins): int8, Q6_K, Q8_0 / Q5_0, int4 / Q4_*
     (8, None, False), (8, 16, False), (8, 32, False), (4, 32, True), (4, 32, False), (8, 32, True)]
 SHAPES = [(1, 32, 1), (1, 576, 960), (3, 96, 37), (5, 1536, 64), (13, 64, 130), (16, 576, 7), (11, 96, 37),
-          (10, 32, 8)]
+          (10, 32, 8), (100, 96, 37)]
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -96,6 +96,10 @@ class Linear:
 # Steps with more rows than this dequantize the weight and run the dtype's GEMM (AMX or AVX-512 for bf16):
 # from there the matmul is compute-bound and the dequantize is shared by all rows (benchmarks/linear_kernel.py)
 QUANT_KERNEL_MAX_ROWS = 16
+# The AVX2 build's tile for 8+ rows reads weights widened once to fp32 (quant_tile_avx2.h) and beats the
+# dequantize + fp32 GEMM up to ~128 rows: all of a Q4_1 step's layer matmuls at 64 rows took 94 against 123 ms,
+# at 128 rows 192 against 199, at 256 rows 396 against 356 (AVX2 EPYC, 2026-12-06). fp32 activations only.
+AVX2_FP32_QUANT_KERNEL_MAX_ROWS = 128
 
 
 class QuantLinear:
@@ -127,6 +131,8 @@ class QuantLinear:
         # whose fp32 logits take the exact fp32 GEMM.
         self.rows_kernel = None if fp32_out else getattr(linear_kernels(kernels), "linear_quant_rows_", None)
         self.dequantize_kernel = getattr(kernels, "dequantize_quant", None)
+        avx2 = getattr(kernels, "compiled_isa", str)() == "avx2"
+        self.fp32_max_rows = AVX2_FP32_QUANT_KERNEL_MAX_ROWS if avx2 else QUANT_KERNEL_MAX_ROWS
         self.dtype = torch.float32 if fp32_out else dtype
         # the kernel computes with the exact weights; a prefill-sized step's GEMM has them in the model's dtype
         # (bf16 on AMX), except the LM head's, fp32 for fp32 logits
@@ -155,7 +161,7 @@ class QuantLinear:
         kernel = self.kernel
         if x.shape[0] > QUANT_KERNEL_MAX_ROWS and self.rows_kernel is not None and x.dtype == torch.bfloat16:
             kernel = self.rows_kernel
-        elif kernel is None or x.shape[0] > QUANT_KERNEL_MAX_ROWS:
+        elif kernel is None or x.shape[0] > (self.fp32_max_rows if x.dtype == torch.float32 else QUANT_KERNEL_MAX_ROWS):
             dtype = self.gemm_dtype
             out = F.linear(x.to(dtype), self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
             return out.to(self.dtype)
