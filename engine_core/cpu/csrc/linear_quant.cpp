@@ -25,7 +25,7 @@ using namespace llmgw_quant;
 template <int Bits, Group G, int Out, int Rows>
 void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, float sums[kRows][kOut]) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (Bits == 4 && Rows <= avx2::kFoldRows) avx2::tile_q4<Out, Rows>(w, n0, x, k_total, sums);
+  if constexpr (Bits == 4 && Rows <= avx2::kFoldRowsQ4) avx2::tile_q4<Out, Rows>(w, n0, x, k_total, sums);
   else avx2::tile<Bits, G, Out, Rows>(w, n0, x, k_total, sums);
 #else
   floats16 acc[Rows][Out] = {};
@@ -75,11 +75,12 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
       }
   }
   std::vector<float> x_q4;  // x as the 4-bit tile of few rows reads it (tile_q4), where a tile has few rows
-  if (const int64_t last = rows % kRows; bits == 4 && last != 0 && last <= avx2::kFoldRows) {
+  if (const int64_t last = rows % kRows;
+      bits == 4 && last != 0 && (rows < avx2::kWidenedMinRows || last <= avx2::kFoldRows)) {
     x_q4.resize(rows * k);
     avx2::permute_x_q4(x, rows, k, x_q4.data());
   }
-  auto x_of_tile = [&](int r) { return bits == 4 && r <= avx2::kFoldRows ? x_q4.data() : x; };
+  auto x_of_tile = [&](int r) { return bits == 4 && avx2::folds(bits, r) ? x_q4.data() : x; };
 #else
   auto x_of_tile = [&](int) { return x; };
 #endif
@@ -95,7 +96,7 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
     else { LLMGW_TILE(8, kGroupRow) }
 #undef LLMGW_TILE
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    if (w.mins && r <= avx2::kFoldRows)
+    if (w.mins && avx2::folds(bits, r))
       for (int i = 0; i < r; ++i)
         for (int j = 0; j < out; ++j)
           sums[i][j] += avx2::mins_term(w, n0 + j, x_group_sums.data() + (r0 + i) * w.groups);

@@ -115,6 +115,10 @@ inline void tile_from_widened(int out, int rows, const float* wf, const float* x
 // tiles of up to this many rows apply each scale once per group and leave the minimums' term to mins_term: 5
 // fewer vector ops per 32 weights for one row; more rows share one widening of the weights instead
 constexpr int kFoldRows = 2;
+// the 4-bit tile of few rows (tile_q4) serves up to this many: a Q4_1 step's layer matmuls at 3 rows 11-12 ms
+// against 13-14 in the widening tile; at 4 rows 17 against 15 (its one partial sum a row is a chain of 8 fmas)
+constexpr int kFoldRowsQ4 = 3;
+inline bool folds(int bits, int rows) { return rows <= (bits == 4 ? kFoldRowsQ4 : kFoldRows); }
 
 // Σ_g min[n, g] · (Σ of x over group g): the minimums' term of a folded tile's sum
 inline float mins_term(const QuantWeight& w, int64_t n, const float* x_group_sums) {
