@@ -69,9 +69,9 @@ inline void widen_rows(const QuantWeight& w, int bits, Group g, int64_t n0, int6
 }
 
 // Rows × Out sums of rows of x against weights widened once (widen_rows, [Out, k_total]) that every row block
-// reads from L1/L2: one accumulator per (row, output), 12 independent fma chains where the in-register tile
-// below ran 8 chains of 4 dependent fmas and widened the weights again for every 4 rows. The sums are that
-// tile's to the bit: the same products added in the same order.
+// reads from L1/L2, where the in-register tile below widens them again for every 4 rows: one accumulator per
+// (row, output), 12 independent fma chains. (Two partial sums each, as that tile keeps them, spill registers:
+// 16 rows took 57 ms against 37, and one output at a time 97.)
 constexpr int kWidenedOut = 3;
 // from this many rows on: on the AVX2 EPYC, all of a Q4_1 step's matmuls at 16 rows took 37 ms against 55 ms in
 // the in-register tile, 8 rows 23 against 28, while 3-6 rows were 5-10% slower (the widened weights' stores)
@@ -132,7 +132,18 @@ inline float mins_term(const QuantWeight& w, int64_t n, const float* x_group_sum
 // Rows <= kFoldRows. One row keeps two accumulators per output, so that its fmas are not one serial chain.
 template <int Bits, Group G, int Out, int Rows>
 void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, float sums[kRows][kOut]) {
-  constexpr int kAcc = Rows == 1 ? 2 : 1;
+  if constexpr (Rows > kFoldRows && Out > 1) {
+    // one output at a time, with two partial sums a row: with two outputs and one sum, GCC kept x's vectors for
+    // both outputs and spilled the accumulators, a store and a load in every chain of 4 fmas (int8 at 4 rows:
+    // 15.1 -> 11.5 ms for a step's layer matmuls on the AVX2 EPYC)
+    for (int j = 0; j < Out; ++j) {
+      float one[kRows][kOut];
+      tile<Bits, G, 1, Rows>(w, n0 + j, x, k_total, one);
+      for (int r = 0; r < Rows; ++r) sums[r][j] = one[r][0];
+    }
+    return;
+  }
+  constexpr int kAcc = Rows == 1 || Rows > kFoldRows ? 2 : 1;
   __m256 acc[Rows][Out][kAcc];
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Out; ++j)
