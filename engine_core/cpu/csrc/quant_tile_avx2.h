@@ -115,7 +115,7 @@ inline void tile_from_widened(int out, int rows, const float* wf, const float* x
 // tiles of up to this many rows apply each scale once per group and leave the minimums' term to mins_term: 5
 // fewer vector ops per 32 weights for one row; more rows share one widening of the weights instead
 constexpr int kFoldRows = 2;
-// the 4-bit tile of few rows (tile_q4) serves up to this many: a Q4_1 step's layer matmuls at 3 rows 11-12 ms
+// the 4-bit tile of few rows (tile_q4) serves up to this many: a Q4_1 step's matmuls at 3 rows 11-12 ms
 // against 13-14 in the widening tile; at 4 rows 17 against 15 (its one partial sum a row is a chain of 8 fmas)
 constexpr int kFoldRowsQ4 = 3;
 inline bool folds(int bits, int rows) { return rows <= (bits == 4 ? kFoldRowsQ4 : kFoldRows); }
@@ -135,7 +135,7 @@ void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, flo
   if constexpr (Rows > kFoldRows && Out > 1) {
     // one output at a time, with two partial sums a row: with two outputs and one sum, GCC kept x's vectors for
     // both outputs and spilled the accumulators, a store and a load in every chain of 4 fmas (int8 at 4 rows:
-    // 15.1 -> 11.5 ms for a step's layer matmuls on the AVX2 EPYC)
+    // 15.1 -> 11.5 ms for a step's matmuls on the AVX2 EPYC)
     for (int j = 0; j < Out; ++j) {
       float one[kRows][kOut];
       tile<Bits, G, 1, Rows>(w, n0 + j, x, k_total, one);
