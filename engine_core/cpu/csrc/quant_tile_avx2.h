@@ -129,7 +129,8 @@ inline float mins_term(const QuantWeight& w, int64_t n, const float* x_group_sum
 }
 
 // Rows × Out sums: rows of x (fp32, k contiguous) against outputs n0 .. n0 + Out; without the minimums' term for
-// Rows <= kFoldRows. One row keeps two accumulators per output, so that its fmas are not one serial chain.
+// Rows <= kFoldRows. One row, and each output of 3-4 rows, keeps two accumulators, so that its fmas are not one
+// serial chain.
 template <int Bits, Group G, int Out, int Rows>
 void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, float sums[kRows][kOut]) {
   if constexpr (Rows > kFoldRows && Out > 1) {
