@@ -20,10 +20,10 @@ from backends.base import Backend
 from backends.pool.build import make_backend
 from gateway.config import ConfigError, GatewayConfig, parse_config, primary_routes
 from gateway.errors import GatewayError
+from gateway.front_feed import front_feed
 from gateway.fronts import first_front, front
 from gateway.policy.accounts import Accounts
 from gateway.policy.auth import KeyRing
-from gateway.prefix_feed import prefix_feed
 from gateway.rollout.manager import RolloutManager
 from gateway.routing.admission import Admission, ModelGate
 from gateway.routing.health import HealthTracker
@@ -65,7 +65,7 @@ class Gateway:
         self.metrics.add_state_source(self._backend_state)
         self.metrics.add_state_source(self._engine_workers)
         self.pool_telemetry = PoolTelemetry(self.metrics)
-        self.prefix_feed = prefix_feed(lambda: self.backends)  # one front of several: pools share their choices
+        self.front_feed = front_feed(lambda: self.backends)  # one front of several: pools share choices and health
         self.metrics.add_state_source(pool_state(lambda: self.backends))
         self.tracing = Tracing(server.traces, tracer_provider)
         self.shadows = ShadowRecorder(self.metrics)
@@ -103,8 +103,8 @@ class Gateway:
 
     def start_backends(self) -> None:
         """Start every backend in the background; the server answers (503 on /health) meanwhile."""
-        if self.prefix_feed is not None:
-            self.prefix_feed.start()
+        if self.front_feed is not None:
+            self.front_feed.start()
         for name, backend in self.backends.items():
             self._tasks.append(asyncio.create_task(self._start(name, backend)))
         interval = self.config.server.health_check_interval
@@ -116,8 +116,8 @@ class Gateway:
         observers = getattr(backend, "observers", None)
         if observers is not None:  # a pool: per-replica metrics and the balancer's choice in the access log
             observers.append(self.pool_telemetry)
-            if self.prefix_feed is not None:  # and its prefix choices shared with the other fronts
-                self.prefix_feed.watch(name, backend)
+            if self.front_feed is not None:  # its choices and replica health shared with the other fronts
+                self.front_feed.watch(name, backend)
         try:
             await backend.start()
         except Exception as exc:
@@ -246,8 +246,8 @@ class Gateway:
                 await backend.aclose()
         await self.rollouts.aclose()
         await self.accounts.aclose()
-        if self.prefix_feed is not None:
-            self.prefix_feed.close()
+        if self.front_feed is not None:
+            self.front_feed.close()
 
     # requests
 

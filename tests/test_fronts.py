@@ -18,7 +18,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.recordings import openai_text_routes
 from tests.server import CLIENT_TIMEOUT, ENGINE_CONFIG, PROCESSES, running_gateway, wait_until
+from tests.upstream import Reply, scripted_upstream
 
 FRONTS_CONFIG = ENGINE_CONFIG.replace('type = "engine"\n', 'type = "engine"\nworkers = "process"\n') + """
 [server]
@@ -295,3 +297,62 @@ def test_prefix_routing_keeps_a_shared_prefix_on_one_replica_whichever_front_tak
         [(first_replica, reason)] = [key for key in by_reason if key[1] != "prefix_hit"]
         assert reason == "cold" and by_reason[(first_replica, "cold")] == 1
         assert by_reason == {(first_replica, "cold"): 1, (first_replica, "prefix_hit"): len(served_by) - 1}
+
+
+def test_a_replica_one_front_ejects_is_ejected_on_every_front(tmp_path: Path) -> None:
+    """Replica health is shared: the front whose requests failed ejects the replica, and the other front
+    sends it nothing more, without failures of its own (active checks are out of the way: one a minute)."""
+    flaky_routes = openai_text_routes("x", status=503)
+    flaky_routes[("GET", "/v1/models")] = Reply([b'{"data":[]}'], 200, "application/json")  # it passes checks
+    with scripted_upstream(flaky_routes) as flaky, scripted_upstream(openai_text_routes("Hello there")) as good:
+        config = (f'default_model = "m"\n[server]\nworkers = 2\nadmin_key = "fronts-admin-key"\n'
+                  f'health_check_interval = 60\n\n[state]\n\n[[auth.keys]]\nname = "tests"\nkey = "fronts-test-key"\n\n'
+                  f'[backends.pool]\ntype = "openai"\nmodel = "m"\nflavor = "vllm"\n'
+                  f'endpoints = ["{flaky.url}", "{good.url}"]\nbalance = "round_robin"\nscrape_interval = 0\n'
+                  f'eject_after_failures = 2\neject_cooldown = 600\n\n[models.m]\nbackend = "pool"\n')
+        with running_gateway(config, tmp_path, timeout=180) as url:
+            wait_until(lambda: len(fronts(url)) == 2 and all(listening(p, url) for p in fronts(url)),
+                       "both fronts listening")
+
+            def ejections() -> float:
+                return total(url, "llmgw_replica_ejections_total", replica=flaky.url)
+
+            def sent_to_flaky() -> int:
+                return sum(1 for r in flaky.requests if r.path == "/v1/completions")
+
+            def answer(path: str, admin: bool = False) -> tuple[int, httpx.Response]:
+                key = "fronts-admin-key" if admin else "fronts-test-key"
+                with httpx.Client(timeout=CLIENT_TIMEOUT) as client:  # a new connection: either front takes it
+                    response = client.request("GET" if admin else "POST", f"{url}{path}",
+                                              headers={"authorization": f"Bearer {key}"},
+                                              json=None if admin else {"model": "m", "prompt": "Hi", "max_tokens": 4})
+                    assert response.status_code == 200, response.text
+                    return serving_front(url, response), response
+
+            def pool_state_on_each_front() -> dict[int, str]:
+                seen: dict[int, str] = {}
+                for _ in range(40):
+                    pid, response = answer("/admin/backends", admin=True)
+                    seen[pid] = response.json()["backends"]["pool"]
+                    if len(seen) == 2:
+                        return seen
+                raise AssertionError("the kernel never handed a connection to the second front")
+
+            # each front has both replicas up (a front listens before its pools have started them)
+            wait_until(lambda: all("2/2 replicas healthy" in state for state in pool_state_on_each_front().values()),
+                       "both replicas serving on both fronts")
+            while ejections() == 0:  # every request is answered: the pool moves it off the failing replica
+                assert answer("/v1/completions")[1].json()["choices"][0]["text"] == "Hello there"
+                assert sent_to_flaky() < 40, "the failing replica was never ejected"
+            sent = sent_to_flaky()
+            # both fronts now say so: the one that ejected it, and the other, told
+            seen = pool_state_on_each_front()
+            assert all(f"{flaky.url} ejected" in state for state in seen.values()), seen
+            served_by: list[int] = []
+            while len(served_by) < 12 or len(set(served_by)) < 2:
+                assert len(served_by) < 40, "the kernel never handed a connection to the second front"
+                pid, response = answer("/v1/completions")
+                served_by.append(pid)
+                assert response.json()["choices"][0]["text"] == "Hello there"
+            assert sent_to_flaky() == sent  # neither front sent it anything more
+            assert ejections() == 1  # ejected once, by one front: the other never failed its way there

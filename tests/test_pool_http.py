@@ -315,6 +315,39 @@ async def test_a_reload_that_changes_a_pool_keeps_its_unchanged_replicas(monkeyp
         await gw.aclose()
 
 
+async def test_a_pool_told_of_a_failing_check_takes_the_replica_out_before_its_own_check() -> None:
+    """What the fronts of one gateway tell each other (gateway/front_feed.py carries HealthNews between them):
+    a check that failed in one pool, then passed again, changes its twin at once, with no check of its own."""
+    state = {"check_fails": False}
+
+    def routes(i: int) -> dict:
+        found = openai_text_routes(f"from {i}")
+        if i == 0:
+            found[("GET", "/v1/models")] = lambda body: Reply([b'{"data":[]}'], 503 if state["check_fails"] else 200,
+                                                             "application/json")
+        return found
+
+    with upstreams(2, routes) as ups:
+        config = parse_config(pool_config([u.url for u in ups], "round_robin"))
+        seen, told = (make_backend("pool", "openai", config.backends["pool"].settings) for _ in range(2))
+        assert isinstance(seen, PoolBackend) and isinstance(told, PoolBackend)
+        await asyncio.gather(seen.start(), told.start())
+        seen.health_listeners.append(told.hear)
+        try:
+            probes = len([r for r in ups[0].requests if r.path == "/v1/models"])
+            state["check_fails"] = True
+            await seen.health()
+            assert [r.state() for r in told.replicas] == ["unhealthy", "healthy"]
+            assert {await generate(told, f"p{i}") for i in range(4)} == {"from 1"}
+            state["check_fails"] = False
+            await seen.health()
+            assert [r.state() for r in told.replicas] == ["healthy", "healthy"]
+            assert sorted([await generate(told, f"q{i}") for i in range(4)]) == ["from 0", "from 0", "from 1", "from 1"]
+            assert len([r for r in ups[0].requests if r.path == "/v1/models"]) == probes + 2  # the one pool's checks
+        finally:
+            await asyncio.gather(seen.aclose(), told.aclose())
+
+
 def test_a_client_leaving_a_pooled_stream_closes_the_upstream_request(tmp_path: Path) -> None:
     hold = Hold()
     with upstreams(2, lambda i: openai_text_routes("one two three four", hold=hold, hold_after=1)) as ups, \

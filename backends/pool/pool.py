@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, ClassVar, Protocol
 from urllib.parse import urlsplit
 
-import httpx
 import msgspec
 
 from backends.base import (
@@ -35,9 +34,9 @@ from backends.base import (
 from backends.pool.balance import Choice, Policy, PrefixAware, make_policy
 from backends.pool.discovery import Resolver, discover, resolve_host
 from backends.pool.prefix_index import prompt_tokens, request_block_hashes
-from backends.pool.replica import Replica
+from backends.pool.replica import HealthNews, Replica
 from backends.pool.settings import PoolFields
-from backends.pool.signals import metrics_url, parse_metrics, signals_of
+from backends.pool.signals import Scraper
 
 log = logging.getLogger("llmgw")
 POOL_DEFAULTS = {f.name: f.default_factory() if f.default is msgspec.NODEFAULT else f.default
@@ -81,10 +80,11 @@ class PoolBackend:
         self.replicas: list[Replica] = []
         self.policy: Policy = make_policy(settings)
         self.observers: list[PoolObserver] = []
+        self.health_listeners: list[Callable[[HealthNews], None]] = []  # ejections and check changes seen here
         self._template: Backend | None = None
         self._adoptable: dict[str, Replica] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._scraper: httpx.AsyncClient | None = None
+        self._scraper = Scraper(name, settings)
         self._closed = False
         self._tokenize_turn = 0
 
@@ -176,7 +176,10 @@ class PoolBackend:
             healthy = False
             with contextlib.suppress(Exception):
                 healthy = await replica.backend.health()
+            was_failing = replica.check_failed
             replica.record_check(healthy, self.name)
+            if replica.check_failed != was_failing:
+                self._tell(HealthNews(replica.id, check_failed=replica.check_failed))
 
         await asyncio.gather(*(check(r) for r in started))
         return any(r.available() for r in self.replicas)
@@ -326,32 +329,25 @@ class PoolBackend:
         if replica.record_failure(self.settings.eject_after_failures, self.settings.eject_cooldown, self.name):
             for observer in self.observers:
                 observer.ejected(self.name, replica.id)
+            self._tell(HealthNews(replica.id, ejected_for=self.settings.eject_cooldown))
+
+    def _tell(self, news: HealthNews) -> None:
+        for listener in self.health_listeners:
+            listener(news)
+
+    def hear(self, news: HealthNews) -> None:
+        """What another front of this gateway saw of one of these replicas (gateway/front_feed.py)."""
+        for replica in self.replicas:
+            if replica.id == news.replica:
+                replica.hear(news, self.name)
 
     # what each replica reports
 
     async def _scrape_loop(self) -> None:
         interval = self.settings.scrape_interval
         while not self._closed:
-            await asyncio.gather(*(self._scrape(r) for r in list(self.replicas) if r.started))
+            await asyncio.gather(*(self._scraper.scrape(r) for r in list(self.replicas) if r.started))
             await asyncio.sleep(interval)
-
-    async def _scrape(self, replica: Replica) -> None:
-        reported = getattr(replica.backend, "load", None)  # an engine worker reports its own figures
-        try:
-            if callable(reported):
-                figures = reported()
-                if figures is not None:
-                    replica.signals = signals_of(figures)
-                return
-            if self._scraper is None:
-                timeout = min(self.settings.scrape_interval * 2, 5.0)
-                self._scraper = httpx.AsyncClient(timeout=timeout)
-            url = metrics_url(replica.id, self.settings.scrape_path, self.settings.metrics_port)
-            response = await self._scraper.get(url)
-            if response.status_code == 200:
-                replica.signals = parse_metrics(response.text)
-        except Exception as exc:  # a replica that does not answer keeps its last figures, which go stale
-            log.debug("backend %s: scraping %s failed: %s", self.name, replica.id, describe(exc))
 
     # membership
 

@@ -8,10 +8,21 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from backends.base import Backend
 from backends.pool.signals import ReplicaSignals
 
 log = logging.getLogger("llmgw")
+
+
+class HealthNews(msgspec.Struct, array_like=True, frozen=True):
+    """A change of one replica's health that one front of the gateway saw, for its other fronts
+    (gateway/front_feed.py): an ejection it made after failures, or an active check that changed the state."""
+
+    replica: str
+    ejected_for: float = 0.0  # seconds of the ejection; 0: not an ejection
+    check_failed: bool | None = None  # the check's new state; None: not a check
 
 
 @dataclass
@@ -73,6 +84,15 @@ class Replica:
         elif not healthy and not self.check_failed:
             log.warning("backend %s: replica %s fails its health check", pool, self.id)
         self.check_failed = not healthy
+
+    def hear(self, news: HealthNews, pool: str) -> None:
+        """Another front's news of this replica: ejected there, so here too (its failures were requests like
+        these); a check that changed there, so the same state here until the next check says otherwise."""
+        if news.ejected_for > 0:
+            self.open_until = max(self.open_until, time.monotonic() + news.ejected_for)
+            log.info("backend %s: replica %s ejected for %.0f s by another front", pool, self.id, news.ejected_for)
+        if news.check_failed is not None:
+            self.record_check(not news.check_failed, pool)
 
     def state(self) -> str:
         if not self.started:

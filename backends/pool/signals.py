@@ -8,12 +8,18 @@ KV usage is their mean.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
+
+from backends.base import describe
+
+log = logging.getLogger("llmgw")
 
 # figure → the names it goes by, first found wins
 # (this gateway's own engine names before TGI's, which it also serves with `tgi_metrics = true`)
@@ -74,3 +80,33 @@ def metrics_url(base_url: str, path: str, port: int | None = None) -> str:
     if port is not None:
         netloc = f"{netloc.rsplit(':', 1)[0] if parts.port else netloc}:{port}"
     return urlunsplit((parts.scheme, netloc, path, "", ""))
+
+
+class Scraper:
+    """Reads each replica's figures into `replica.signals`: an engine worker's own report, else its /metrics."""
+
+    def __init__(self, pool: str, settings: Any) -> None:
+        self.pool = pool
+        self.settings = settings
+        self._client: httpx.AsyncClient | None = None  # made on first use, inside the running loop
+
+    async def scrape(self, replica: Any) -> None:
+        reported = getattr(replica.backend, "load", None)
+        try:
+            if callable(reported):
+                figures = reported()
+                if figures is not None:
+                    replica.signals = signals_of(figures)
+                return
+            if self._client is None:
+                self._client = httpx.AsyncClient(timeout=min(self.settings.scrape_interval * 2, 5.0))
+            url = metrics_url(replica.id, self.settings.scrape_path, self.settings.metrics_port)
+            response = await self._client.get(url)
+            if response.status_code == 200:
+                replica.signals = parse_metrics(response.text)
+        except Exception as exc:  # a replica that does not answer keeps its last figures, which go stale
+            log.debug("backend %s: scraping %s failed: %s", self.pool, replica.id, describe(exc))
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
