@@ -3,8 +3,10 @@
 Two engine replicas (gateway processes, one CPU thread each, prefix caching on) each get a KV cache that
 holds about half of the workload's distinct prefixes, plus room for the requests running on it. In front,
 one at a time: our gateway with an `openai` pool over both (`balance = "prefix"`, `"round_robin"`,
-`"least_load"`) and SGLang's router (`sglang-router`, `--policy cache_aware`, its CLI defaults). The
-replicas restart before each front, so every run starts with cold caches.
+`"least_load"`) and SGLang's router (`sglang-router`, `--policy cache_aware`, its CLI defaults). A front
+named `policy@N` is our gateway with `[server] workers = N`: N front processes on one port, each request on
+a new connection so that the kernel hands each to any front (gateway/front_feed.py shares their prefix
+choices). The replicas restart before each front, so every run starts with cold caches.
 
 Workloads (random-word text, as SGLang's generated-shared-prefix benchmark; the order is shuffled):
 - shared prefix: --groups groups x --per-group prompts, a --prefix-words shared prefix and a
@@ -19,6 +21,7 @@ round's figure, since one run's ratio moves by several percent on a shared machi
     .venv-router/bin/pip install sglang-router==0.3.2                     # once, in its own venv
     .venv/bin/python benchmarks/replica_routing.py --out-dir bench-results/routing
     .venv/bin/python benchmarks/replica_routing.py --fronts prefix round_robin --workloads shared_prefix --rounds 3
+    .venv/bin/python benchmarks/replica_routing.py --fronts prefix prefix@2 round_robin --workloads shared_prefix
     .venv/bin/python benchmarks/replica_routing.py --prefix-words 2000 --rounds 2   # SGLang's default prefix length
     .venv/bin/python benchmarks/replica_routing.py --groups 4 --per-group 4 --prefix-words 200   # quick
 """
@@ -83,7 +86,7 @@ idle_timeout = 600
 backend = "pool"
 max_input_tokens = 4000
 max_total_tokens = 4096
-"""
+{fronts}"""
 
 
 def word_list(seed: int) -> list[str]:
@@ -137,7 +140,8 @@ async def one_request(client: httpx.AsyncClient, prompt: str, output_len: int) -
             "output_tokens": usage.get("completion_tokens", tokens), "prompt_tokens": usage.get("prompt_tokens", 0)}
 
 
-async def run_workload(url: str, prompts: list[str], output_len: int, concurrency: int) -> dict[str, Any]:
+async def run_workload(url: str, prompts: list[str], output_len: int, concurrency: int,
+                       new_connections: bool = False) -> dict[str, Any]:
     queue = list(prompts)
     results: list[dict[str, Any]] = []
     errors = 0
@@ -152,7 +156,8 @@ async def run_workload(url: str, prompts: list[str], output_len: int, concurrenc
                 errors += 1
 
     started = time.perf_counter()
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
+    limits = httpx.Limits(max_keepalive_connections=0) if new_connections else httpx.Limits()
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     wall = time.perf_counter() - started
     ttfts = sorted(r["ttft"] for r in results)
@@ -208,9 +213,14 @@ def start_replicas(stack: ExitStack, out: Path, kv_mb: int, tag: str) -> list[st
 
 
 def cpu_seconds(pid: int) -> float:
-    """A process's user + system CPU time so far (the front shares the machine's cores with the replicas)."""
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
+    """A process's user + system CPU time so far, with its children's (a gateway of several fronts supervises
+    them); the front shares the machine's cores with the replicas."""
+    process = psutil.Process(pid)
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        times = p.cpu_times()
+        total += times.user + times.system
+    return total
 
 
 def start_front(stack: ExitStack, out: Path, front: str, replicas: list[str],
@@ -224,8 +234,14 @@ def start_front(stack: ExitStack, out: Path, front: str, replicas: list[str],
                    "--health-check-endpoint", "/health"]
         return url, stack.enter_context(running_server(front, command, url, out / f"{front}.log"))
     config = out / f"front-{front}.toml"
+    policy, _, workers = front.partition("@")
+    fronts = ""
+    if workers:  # several front processes need the state store: an SQLite file of this run
+        (out / f"state-{front}.db").unlink(missing_ok=True)
+        fronts = f'\n[state]\ndatabase = "sqlite:///{out / f"state-{front}.db"}"\n'
     config.write_text(FRONT_CONFIG.format(port=port, endpoints=", ".join(f'"{u}"' for u in replicas),
-                                          policy=front, abs_threshold=abs_threshold))
+                                          policy=policy, abs_threshold=abs_threshold, fronts=fronts)
+                      .replace("[server]\n", f"[server]\nworkers = {workers}\n" if workers else "[server]\n"))
     return url, stack.enter_context(running_server(f"gateway {front}", [str(ROOT / ".venv/bin/llmgw"), "serve",
                                                                      "--config", str(config), "--port", str(port)],
                                                     url, out / f"front-{front}.log"))
@@ -296,7 +312,7 @@ def run_front(args: argparse.Namespace, front: str, prompts: list[str], words: l
         url, proc = start_front(stack, args.out_dir, front, replicas, args.abs_threshold)
         asyncio.run(run_workload(url, ["warm up " + " ".join(words[:20])], 4, 1))
         cpu_before = cpu_seconds(proc.pid)
-        figures = asyncio.run(run_workload(url, prompts, args.output_len, args.concurrency))
+        figures = asyncio.run(run_workload(url, prompts, args.output_len, args.concurrency, "@" in front))
         figures["front_cpu_seconds"] = cpu_seconds(proc.pid) - cpu_before
         figures |= replica_figures(replicas, figures["prompt_tokens"], figures["seconds"])
         if front != "sglang-router":
