@@ -95,6 +95,10 @@ class Scheduler:
             self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new):
+                # give back the cached blocks it matched (they stay cached, to match again next step): held by a
+                # sequence that waits, they could starve the ones ahead of it, which a preemption puts there, and
+                # with nothing running no step would ever free a block again
+                self.block_manager.free(seq)
                 break
             self.block_manager.allocate(seq, num_new)
             self.waiting.popleft()

@@ -74,3 +74,42 @@ def test_scheduler_preempts_the_newest_and_readmits_it_first() -> None:
     batch = sched.schedule()
     assert [s.request_id for s in batch.seqs] == ["old"] and list(sched.waiting)[0] is new
     assert new.block_table == [] and new.num_computed_tokens == 0 and sched.num_preemptions == 1
+
+
+def test_a_waiting_sequence_holds_no_cached_blocks_so_the_pool_never_deadlocks() -> None:
+    """A waiting sequence that matched cached prefix blocks but could not get the rest gives them back. Before,
+    it kept them: a running sequence then preempted itself for want of blocks, went back to waiting ahead of it,
+    could not fit beside the blocks it held, and with nothing running no step ever freed one (an engine replica
+    of benchmarks/replica_routing.py spun at 100% CPU with two requests waiting, found this way)."""
+    bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=512)
+    outputs = {"cached": 1, "long": 30, "sharer": 2}
+
+    def step() -> None:  # what the engine does around a step: the KV computed, a token sampled, a finish
+        batch = sched.schedule()
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+            bm.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(7)
+                if seq.num_tokens - seq.num_prompt_tokens == outputs[seq.request_id]:
+                    sched.finish(seq)
+
+    cached = list(range(100, 121))  # 5 full blocks, kept in the prefix cache once it finished
+    sched.add(_seq(cached, "cached"))
+    step()
+    assert not sched.has_work() and bm.num_free_blocks == 12
+    long = _seq(list(range(200, 204)), "long")  # will grow to 34 tokens: 9 blocks
+    sched.add(long)
+    while len(long.block_table) < 5:
+        step()
+    sharer = _seq(cached[:20] + list(range(300, 310)), "sharer")  # matches the 5 cached blocks, needs 3 more
+    sched.add(sharer)
+    step()
+    assert sharer in sched.waiting and sharer.block_table == []  # it could not start: it holds nothing
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        step()
+    assert not sched.has_work() and bm.check_all_free()
+    assert long.num_tokens == 34 and sharer.num_tokens == 32
