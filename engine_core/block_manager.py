@@ -44,6 +44,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0  # blocks looked up in the prefix cache
         self.prefix_hits = 0
+        self._last_lookup = (0, 0)  # (queries, hits) of the last match_prefix, for unmatch
 
     @property
     def num_blocks(self) -> int:
@@ -90,19 +91,20 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> None:
         """Before a sequence's first allocation, reuse cached blocks that hold its prefix."""
+        self._last_lookup = (0, 0)
         if not self.enable_prefix_caching or seq.block_table:
             return
         bs = self.block_size
         parent = root_hash(seq)
+        queries = 0
         # the last token is always recomputed: its logits are needed to sample
         for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
             tokens = tuple(seq.token_ids[start:start + bs])
             block_hash = chain_hash(parent, tokens)
-            self.prefix_queries += 1
+            queries += 1
             block_id = self.hash_to_block.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
-            self.prefix_hits += 1
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_blocks[block_id]
@@ -111,6 +113,18 @@ class BlockManager:
             parent = block_hash
         seq.num_computed_tokens = len(seq.block_table) * bs
         seq.num_cached_tokens = seq.num_computed_tokens
+        self._last_lookup = (queries, len(seq.block_table))
+        self.prefix_queries += queries
+        self.prefix_hits += len(seq.block_table)
+
+    def unmatch(self, seq: Sequence) -> None:
+        """Undo the match_prefix just made for `seq`, which cannot start after all: its blocks go back (still
+        cached, to be matched again when it starts), and so does the lookup's count (made again then)."""
+        queries, hits = self._last_lookup
+        self.prefix_queries -= queries
+        self.prefix_hits -= hits
+        self._last_lookup = (0, 0)
+        self.free(seq)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that computed tokens have filled, so later requests can hit them."""

@@ -98,7 +98,7 @@ class Scheduler:
                 # give back the cached blocks it matched (they stay cached, to match again next step): held by a
                 # sequence that waits, they could starve the ones ahead of it, which a preemption puts there, and
                 # with nothing running no step would ever free a block again
-                self.block_manager.free(seq)
+                self.block_manager.unmatch(seq)
                 break
             self.block_manager.allocate(seq, num_new)
             self.waiting.popleft()

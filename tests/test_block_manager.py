@@ -105,8 +105,10 @@ def test_a_waiting_sequence_holds_no_cached_blocks_so_the_pool_never_deadlocks()
         step()
     sharer = _seq(cached[:20] + list(range(300, 310)), "sharer")  # matches the 5 cached blocks, needs 3 more
     sched.add(sharer)
+    lookups = (bm.prefix_queries, bm.prefix_hits)
     step()
     assert sharer in sched.waiting and sharer.block_table == []  # it could not start: it holds nothing
+    assert (bm.prefix_queries, bm.prefix_hits) == lookups  # and its lookup counts once it starts, not every step
     for _ in range(200):
         if not sched.has_work():
             break
