@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.engine_vs_vllm import describe_cpu, running_server  # noqa: E402
 from tests.server import free_port  # noqa: E402
 
+FRONTS_KEY = "replica-routing-bench"  # with [state] (several fronts) every request needs a key
 REFERENCES = ("round_robin", "sglang-router")  # each front's tok/s and TTFT p50 are also given as ratios to these
 KV_BYTES_PER_TOKEN_BF16 = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M: layers x (k, v) x kv heads x head dim x 2 bytes
 
@@ -157,7 +158,8 @@ async def run_workload(url: str, prompts: list[str], output_len: int, concurrenc
 
     started = time.perf_counter()
     limits = httpx.Limits(max_keepalive_connections=0) if new_connections else httpx.Limits()
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits,
+                                 headers={"authorization": f"Bearer {FRONTS_KEY}"}) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     wall = time.perf_counter() - started
     ttfts = sorted(r["ttft"] for r in results)
@@ -238,7 +240,8 @@ def start_front(stack: ExitStack, out: Path, front: str, replicas: list[str],
     fronts = ""
     if workers:  # several front processes need the state store: an SQLite file of this run
         (out / f"state-{front}.db").unlink(missing_ok=True)
-        fronts = f'\n[state]\ndatabase = "sqlite:///{out / f"state-{front}.db"}"\n'
+        fronts = (f'\n[state]\ndatabase = "sqlite:///{out / f"state-{front}.db"}"\n\n'
+                  f'[[auth.keys]]\nname = "bench"\nkey = "{FRONTS_KEY}"\n')
     config.write_text(FRONT_CONFIG.format(port=port, endpoints=", ".join(f'"{u}"' for u in replicas),
                                           policy=policy, abs_threshold=abs_threshold, fronts=fronts)
                       .replace("[server]\n", f"[server]\nworkers = {workers}\n" if workers else "[server]\n"))
