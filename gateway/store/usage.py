@@ -38,6 +38,7 @@ class UsageWriter:
         self.written = 0
         self.dropped = 0
         self.failures = 0
+        self.writing = 0  # rows taken from the buffer by the write in progress
         self.available = True  # the last write went through
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # one writer at a time: the loop, or a flush on shutdown
@@ -74,6 +75,7 @@ class UsageWriter:
             while pending > 0 and self.buffer:
                 rows = [self.buffer.popleft() for _ in range(min(self.batch, pending, len(self.buffer)))]
                 pending -= len(rows)
+                self.writing = len(rows)  # still held here, not written: status() counts them as buffered
                 try:
                     if self.sqlite_file is not None:
                         self._write_sqlite(rows)
@@ -91,6 +93,8 @@ class UsageWriter:
                                     type(exc).__name__, exc, len(self.buffer))
                     self.available = False
                     return False
+                finally:
+                    self.writing = 0
                 self.written += len(rows)
                 await asyncio.sleep(0)  # requests go on between batches
                 if not self.available:
@@ -138,7 +142,7 @@ class UsageWriter:
             log.error("usage records: %d rows could not be written before shutdown", len(self.buffer))
 
     def status(self) -> dict[str, Any]:
-        return {"available": self.available, "buffered": len(self.buffer), "written": self.written,
+        return {"available": self.available, "buffered": len(self.buffer) + self.writing, "written": self.written,
                 "dropped": self.dropped, "failures": self.failures}
 
 
