@@ -29,7 +29,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     (3, 1536, 576, True),  # a few decode rows, a bias
     (8, 576, 3072, False),  # a full block of rows
     (13, 576, 600, True),  # more rows than a block (a tail of 5), columns not a multiple of 16
-    (16, 64, 48, False),  # prefill path: pairs of column blocks, an odd number of blocks
+    (17, 64, 48, False),  # prefill path: pairs of column blocks, an odd number of blocks
     (77, 576, 40, True),  # prefill path with a row tail and a column tail inside the last block
     (300, 100, 960, False),  # a prefill chunk
 ])
@@ -44,6 +44,21 @@ def test_linear_bf16_matches_an_fp32_reference(kernels, rows: int, fan_in: int, 
     assert got.dtype == torch.bfloat16 and got.shape == (rows, outs)
     # fp32 accumulation, one rounding to bf16 at the end: within bf16's half-ulp of the exact result
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3)
+
+
+def test_a_row_gets_the_same_sums_in_every_decode_sized_step(kernels) -> None:  # type: ignore[no-untyped-def]
+    """Steps of 1 to 16 rows (decode, and a speculative verify pass of 1 + k rows) give each row the sums it gets
+    alone, to the bit: greedy output must not move when drafts add rows to a step. (AMX runs such steps on its
+    tiles, but the layers then use oneDNN, not this kernel.)"""
+    torch.manual_seed(2)
+    weight = (torch.randn(600, 576) * 0.05).bfloat16()
+    packed = pack_blocks(weight)
+    x = torch.randn(16, 576).bfloat16()
+    if cpu_features().amx_bf16:
+        pytest.skip("with AMX this kernel runs steps of 2 rows and more on the AMX tiles")
+    alone = torch.cat([kernels.linear_bf16(x[i:i + 1], packed, 600, None, True) for i in range(16)])
+    for rows in range(2, 17):
+        assert torch.equal(kernels.linear_bf16(x[:rows], packed, 600, None, True), alone[:rows]), f"{rows} rows"
 
 
 def test_linear_bf16_reads_rows_with_a_stride_and_refuses_mismatched_shapes(kernels) -> None:  # type: ignore[no-untyped-def]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_core.cpu.features import cpu_features
 from engine_core.gguf_blocks import DECODERS, decode
 from engine_core.models.layers.linear import QUANT_KERNEL_MAX_ROWS, QuantLinear
 from engine_core.models.layers.quant import (
@@ -85,6 +86,28 @@ def test_a_row_gets_the_same_fp32_sums_wherever_it_sits_in_a_big_step(isa: str, 
     assert torch.equal(twelve[:8], eight)
     assert torch.equal(sums(torch.cat([x[4:8], x[:4]])), torch.cat([eight[4:], eight[:4]]))
     torch.testing.assert_close(sums(x[4:8]), eight[4:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
+def test_a_bf16_row_gets_the_same_sums_in_every_decode_sized_step(bits: int, group: int | None, mins: bool) -> None:
+    """bf16 activations on the AVX-512 BF16 build: a row's sums in a step of 2-16 rows are its sums in a 1-row
+    step, to the bit, so a speculative verify pass (1 + k rows) scores each position as a plain decode step does and
+    greedy output stays the same with drafts on. (With AMX, steps of more than 4 rows run on its tiles instead.)"""
+    kernels = kernels_for("avx512_bf16")
+    most = 4 if cpu_features().amx_bf16 else QUANT_KERNEL_MAX_ROWS
+    k, n = 576, 45
+    w = random_quantized(n, k, bits, group or k, mins, seed=11)
+    x = torch.randn(most, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    bias = torch.randn(n)
+
+    def sums(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)  # the fp32 sums, before any rounding to bf16
+        kernels.linear_quant_(out, 0, rows.contiguous(), w.codes, w.scales, w.mins, bits, group or k, bias)
+        return out
+
+    alone = torch.cat([sums(x[i:i + 1]) for i in range(most)])
+    for rows in range(2, most + 1):
+        assert torch.equal(sums(x[:rows]), alone[:rows]), f"a step of {rows} rows"
 
 
 ROWS_SHAPES = [(17, 64, 16), (33, 576, 37), (100, 96, 130), (25, 1536, 64)]

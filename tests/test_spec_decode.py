@@ -1,8 +1,9 @@
 """Speculative decoding in the engine: exact greedy and sampled output, KV accounting, and when it turns off.
 
-Greedy identity is checked in fp32: the engine's bf16 output already depends on how many rows a step
-has (a request alone and in a batch of 7 can part at an ulp-level tie), and drafts change the rows a
-step has just as batching does. fp32 outputs agree token for token.
+Greedy identity is checked in fp32 on every CPU. In bf16 a row's sums must not depend on the rows its step
+has, or a verify pass (1 + k rows) parts from a 1-row step at an ulp-level tie: that holds for decode-sized
+steps on the AVX-512 BF16 kernels without AMX (with AMX, steps of more than 4 rows run on its tiles), and is
+checked there one request at a time.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from engine_core import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine_core.cpu.features import cpu_features
 from engine_core.spec_decode import SpeculativeConfig
 from engine_core.structured import StructuredOutputsParams
 from tests.conftest import build_tiny_model
@@ -65,6 +67,24 @@ def test_greedy_output_is_token_for_token_the_output_without_speculation(plain: 
     before = engine.spec.counters.num_accepted_tokens  # type: ignore[union-attr]
     assert [tokens(o) for o in engine.generate(prompts, params)] == [tokens(o) for o in plain.generate(prompts, params)]
     assert engine.spec.counters.num_accepted_tokens - before > 20  # type: ignore[union-attr]  # it speculated
+
+
+@pytest.mark.skipif(not cpu_features().native_bf16 or cpu_features().amx_bf16,
+                    reason="a row's bf16 sums are the same in steps of 1-16 rows on the AVX-512 BF16 kernels, no AMX")
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_bf16_greedy_output_one_request_at_a_time_is_the_output_without_speculation(smollm_dir: Path,
+                                                                                     quantization: str) -> None:
+    """The embedded model in bf16 on such a CPU, on its Q4_1 weights (the default) and on bf16 weights: a verify
+    pass scores each position as the plain decode step does."""
+    plain_bf16, spec_bf16 = (engine_with(smollm_dir, spec, dtype="bfloat16", quantization=quantization)
+                             for spec in (None, SUFFIX))
+    params = SamplingParams(max_new_tokens=96)
+    more = ["Explain what a compiler does, step by step.",
+            "List ten animals that live in the ocean and say one thing about each."]
+    prompts = [chat(plain_bf16, p) for p in [*PROMPTS, *more]]
+    for prompt in prompts:  # one at a time: every step is 1 row without drafts, 1 + k with them
+        assert tokens(spec_bf16.generate([prompt], params)[0]) == tokens(plain_bf16.generate([prompt], params)[0])
+    assert spec_bf16.spec.counters.num_accepted_tokens > 20  # type: ignore[union-attr]  # it speculated
 
 
 @pytest.mark.parametrize("spec", [SUFFIX], ids=["suffix"])

@@ -5,8 +5,9 @@
 // accumulates 16 outputs at once, in fp32, with no horizontal sums. Each output block reads its weights
 // once for all the rows of a decode step (up to 8 at a time), so a decode step streams the weights at about
 // the memory's bandwidth: a step's matmuls take 0.6x oneDNN's time (on its prepacked weight) at 1-2 rows
-// and 0.8x at 4-16 on two threads (benchmarks/linear_kernel.py); from 16 rows up two output blocks share
-// each broadcast, level with oneDNN at prefill sizes. On a CPU with AMX, 2 rows and more run on its tiles over
+// and 0.8x at 4-16 on two threads (benchmarks/linear_kernel.py); from 17 rows up two output blocks share
+// each broadcast, level with oneDNN at prefill sizes. Up to 16 rows a row's sums are the same whatever the
+// step's other rows (a speculative verify pass scores a position as a 1-row step does). On a CPU with AMX, 2 rows and more run on its tiles over
 // the same layout (linear_bf16_amx.cpp). The packing (`engine_core/models/layers/linear.py`) pads N to 16 with
 // zero rows; K must be even.
 #include <ATen/ATen.h>
@@ -35,7 +36,7 @@ void run(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16_t* wp,
   // more than one row: the AMX tiles, where this CPU has them (linear_bf16_amx.cpp)
   if (rows >= kAmxRows && linear_bf16_amx(xp, x_stride, rows, wp, blocks, k2s, yp, out_features, bp)) return;
   const int64_t block_elems = k2s * 32;
-  if (rows < 2 * kRows) {  // decode: every block once, all rows against it
+  if (rows <= 2 * kRows) {  // decode: every block once, all rows against it
     at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
       for (int64_t nb = b0; nb < b1; ++nb)
         for (int64_t r = 0; r < rows; r += kRows)

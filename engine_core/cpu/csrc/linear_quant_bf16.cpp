@@ -234,8 +234,9 @@ void run_tiles(const QuantWeight& w, int bits, Group group, const uint16_t* x, i
     x = x_pairs.data();
     x_stride = k;
   }
-  // the mins' term: in the tile's registers where one tile has many rows (measured faster there), else here
-  const bool mins_in_tile = w.mins && rows > kRows && group != kGroupRow;
+  // the mins' term in the tile's registers for every row count: a row's sums then do not depend on how many rows
+  // its step has, so a verify pass of k + 1 rows gives each row what a 1-row step gives it (exact speculation)
+  const bool mins_in_tile = w.mins && group != kGroupRow;
   auto emit = [&](float sums[kRows][kOut], int64_t n0, int out, int64_t r0, int r) {
     for (int i = 0; i < r; ++i)
       for (int j = 0; j < out; ++j) {
