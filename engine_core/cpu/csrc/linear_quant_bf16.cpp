@@ -23,6 +23,14 @@
 namespace llmgw_quant {
 namespace {
 
+// how far ahead a tile asks for its weights' bytes while it computes: a later tile's (the same column, 4 KiB or
+// more on). One tile ahead is too late for int8 rows, whose reads then take twice as long; and the decode of a
+// step of 5-16 rows into an L1 buffer without it waited on every read (a 6-row verify pass cost 2.6x one row)
+inline int64_t prefetch_distance(const QuantWeight& w) {
+  const int64_t tile_bytes = kOut * w.row_bytes;
+  return tile_bytes * ((4096 + tile_bytes - 1) / tile_bytes);
+}
+
 // the scales of a 32-block by vdpbf16ps lane: lane i sums elements 2i and 2i + 1, so lanes 0-7 hold the first 16
 template <Group G>
 inline __m512 block_scales(const float* s, int64_t k) {
@@ -69,7 +77,7 @@ void tile_pairs(const QuantWeight& w, int64_t n0, const uint16_t* decoded, const
   const __m512i table = _mm512_loadu_si512(kNibbleBf16);
   const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const CodeDecoder decode;
-  const int64_t tile_bytes = kOut * w.row_bytes, ahead = tile_bytes * ((4096 + tile_bytes - 1) / tile_bytes);
+  const int64_t ahead = prefetch_distance(w);
   __m512 acc[Rows][Out];
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Out; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -116,9 +124,7 @@ template <int Bits, Group G, int Out, int Rows>
 void tile(const QuantWeight& w, int64_t n0, const uint16_t* decoded, const uint16_t* x, int64_t x_stride,
           int64_t k_total, const float* x_sums, float sums[kRows][kOut]) {
   const CodeDecoder decode;
-  // a decode step streams each weight once: ask for a later tile's bytes (the same column, 4 KiB or more on)
-  // while this one computes; one tile ahead is too late for int8 rows, whose reads then take twice as long
-  const int64_t tile_bytes = kOut * w.row_bytes, ahead = tile_bytes * ((4096 + tile_bytes - 1) / tile_bytes);
+  const int64_t ahead = prefetch_distance(w);  // a decode step streams each weight once
   __m512 acc[Rows][Out];
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Out; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -190,13 +196,6 @@ void pair_order(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t k, ui
     }
     std::memcpy(dst + c, src + c, (k - c) * sizeof(uint16_t));
   }
-}
-
-// how far ahead a tile asks for its weights' bytes: a later tile's (the same column, 4 KiB or more on), as the
-// register tiles do; without it a step of 5-16 rows waited on every read (a 6-row verify pass cost 2.6x one row)
-inline int64_t prefetch_distance(const QuantWeight& w) {
-  const int64_t tile_bytes = kOut * w.row_bytes;
-  return tile_bytes * ((4096 + tile_bytes - 1) / tile_bytes);
 }
 
 template <int Bits>
