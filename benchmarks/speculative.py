@@ -231,6 +231,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="requests before each measured run, not measured")
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--seed", type=int, default=0, help="the workloads'")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="set in the engine's speculative table (default: 5, as listed above)")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="set in the engine's speculative table (default: the engine's default, 8)")
     parser.add_argument("--dtype", default="auto", help="the engine's")
@@ -253,8 +255,9 @@ def main() -> None:
     if len(counts) not in (1, len(args.levels)):
         parser.error("--num-requests wants one value, or one per --concurrency level")
     counts = counts * len(args.levels) if len(counts) == 1 else counts
-    args.spec_extra = ({"disable_by_batch_size": args.disable_by_batch_size}
-                       if args.disable_by_batch_size is not None else {})
+    args.spec_extra = {name: value for name, value in (("disable_by_batch_size", args.disable_by_batch_size),
+                                                       ("num_speculative_tokens", args.num_speculative_tokens))
+                       if value is not None}
     args.vllm_dtype = args.vllm_dtype or ("bfloat16" if cpu_features().native_bf16 else "float32")
     args.model = resolve_model_dir(args.model)
     args.out_dir.mkdir(parents=True, exist_ok=True)
