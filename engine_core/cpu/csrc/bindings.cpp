@@ -72,13 +72,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_quant", &dequantize_quant, "a quantized weight dequantized to [N, K] fp32 or bf16", release());
   m.def("lora_delta_", &lora_delta_, "each row's LoRA adapter delta added to a projection in place (fp32, bf16)",
         release());
-  pybind11::class_<StackProjection>(m, "StackProjection", "one matmul of a DecoderStack: plain fp32 or quantized parts")
+  // module_local: each ISA level's build registers its own classes, so two builds load in one process (the
+  // image's import check and the kernel tests load every level this CPU runs)
+  pybind11::class_<StackProjection>(m, "StackProjection", pybind11::module_local(),
+                                    "one matmul of a DecoderStack: plain fp32 or quantized parts")
       .def(pybind11::init<int64_t>(), pybind11::arg("out_features"))
       .def("set_dense", &StackProjection::set_dense, pybind11::arg("weight"), pybind11::arg("bias"))
       .def("add_quant_part", &StackProjection::add_quant_part, pybind11::arg("col0"), pybind11::arg("codes"),
            pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bits"), pybind11::arg("group"),
            pybind11::arg("bias"));
-  pybind11::class_<DecoderStack>(m, "DecoderStack", "Llama-shaped fp32 decoder layers run in one call")
+  pybind11::class_<DecoderStack>(m, "DecoderStack", pybind11::module_local(),
+                                 "Llama-shaped fp32 decoder layers run in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, bool>(), pybind11::arg("heads"),
            pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("gelu"))
       .def("add_layer", &DecoderStack::add_layer, pybind11::arg("input_norm"), pybind11::arg("post_attention_norm"),

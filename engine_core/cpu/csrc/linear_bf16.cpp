@@ -7,9 +7,9 @@
 // the memory's bandwidth: a step's matmuls take 0.6x oneDNN's time (on its prepacked weight) at 1-2 rows
 // and 0.8x at 4-16 on two threads (benchmarks/linear_kernel.py); from 17 rows up two output blocks share
 // each broadcast, level with oneDNN at prefill sizes. Up to 16 rows a row's sums are the same whatever the
-// step's other rows (a speculative verify pass scores a position as a 1-row step does). On a CPU with AMX, 2 rows and more run on its tiles over
-// the same layout (linear_bf16_amx.cpp). The packing (`engine_core/models/layers/linear.py`) pads N to 16 with
-// zero rows; K must be even.
+// step's other rows (a speculative verify pass scores a position as a 1-row step does). On a CPU with AMX,
+// 2 rows and more run on its tiles over the same layout (linear_bf16_amx.cpp). The packing
+// (`engine_core/models/layers/linear.py`) pads N to 16 with zero rows; K must be even.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
