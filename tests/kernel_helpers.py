@@ -3,9 +3,11 @@ and is skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
+import torch
 
 from engine_core.cpu.kernels import build_for_isa
 
@@ -17,3 +19,11 @@ def kernels_for(isa: str) -> ModuleType:
     if build is None:
         pytest.skip(f"this CPU cannot run the {isa} build (or there is no C++ compiler)")
     return build.module
+
+
+def assert_rows_get_their_one_row_sums(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    """`step` over the first r rows of x, for every r from 2 to len(x), gives each row what it gives that row alone,
+    to the bit (a speculative verify pass must score a position as a 1-row decode step does)."""
+    alone = torch.cat([step(x[i:i + 1]) for i in range(x.shape[0])])
+    for rows in range(2, x.shape[0] + 1):
+        assert torch.equal(step(x[:rows]), alone[:rows]), f"a step of {rows} rows"

@@ -11,7 +11,7 @@ import torch
 
 from engine_core.cpu.features import CpuFeatures, cpu_features
 from engine_core.models.layers.linear import Linear, pack_blocks
-from tests.kernel_helpers import kernels_for
+from tests.kernel_helpers import assert_rows_get_their_one_row_sums, kernels_for
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +50,12 @@ def test_a_row_gets_the_same_sums_in_every_decode_sized_step(kernels) -> None:  
     """Steps of 1 to 16 rows (decode, and a speculative verify pass of 1 + k rows) give each row the sums it gets
     alone, to the bit: greedy output must not move when drafts add rows to a step. (AMX runs such steps on its
     tiles, but the layers then use oneDNN, not this kernel.)"""
-    torch.manual_seed(2)
-    weight = (torch.randn(600, 576) * 0.05).bfloat16()
-    packed = pack_blocks(weight)
-    x = torch.randn(16, 576).bfloat16()
     if cpu_features().amx_bf16:
         pytest.skip("with AMX this kernel runs steps of 2 rows and more on the AMX tiles")
-    alone = torch.cat([kernels.linear_bf16(x[i:i + 1], packed, 600, None, True) for i in range(16)])
-    for rows in range(2, 17):
-        assert torch.equal(kernels.linear_bf16(x[:rows], packed, 600, None, True), alone[:rows]), f"{rows} rows"
+    torch.manual_seed(2)
+    packed = pack_blocks((torch.randn(600, 576) * 0.05).bfloat16())
+    assert_rows_get_their_one_row_sums(lambda rows: kernels.linear_bf16(rows, packed, 600, None, True),
+                                       torch.randn(16, 576).bfloat16())
 
 
 def test_linear_bf16_reads_rows_with_a_stride_and_refuses_mismatched_shapes(kernels) -> None:  # type: ignore[no-untyped-def]

@@ -20,7 +20,7 @@ from engine_core.models.layers.quant import (
     quantize_int8,
     unpack_int4,
 )
-from tests.kernel_helpers import ISAS, kernels_for
+from tests.kernel_helpers import ISAS, assert_rows_get_their_one_row_sums, kernels_for
 
 
 def random_quantized(n: int, k: int, bits: int, group: int, with_mins: bool, seed: int) -> QuantizedTensor:
@@ -105,9 +105,7 @@ def test_a_bf16_row_gets_the_same_sums_in_every_decode_sized_step(bits: int, gro
         kernels.linear_quant_(out, 0, rows.contiguous(), w.codes, w.scales, w.mins, bits, group or k, bias)
         return out
 
-    alone = torch.cat([sums(x[i:i + 1]) for i in range(most)])
-    for rows in range(2, most + 1):
-        assert torch.equal(sums(x[:rows]), alone[:rows]), f"a step of {rows} rows"
+    assert_rows_get_their_one_row_sums(sums, x)
 
 
 ROWS_SHAPES = [(17, 64, 16), (33, 576, 37), (100, 96, 130), (25, 1536, 64)]
