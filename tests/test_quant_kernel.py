@@ -12,7 +12,7 @@ import torch
 
 from engine_core.cpu.features import cpu_features
 from engine_core.gguf_blocks import DECODERS, decode
-from engine_core.models.layers.linear import QUANT_KERNEL_MAX_ROWS, QuantLinear
+from engine_core.models.layers.linear import QUANT_KERNEL_MAX_ROWS, QuantLinear, pack_blocks
 from engine_core.models.layers.quant import (
     QuantizedTensor,
     pack_int4,
@@ -132,6 +132,23 @@ def test_prefill_quant_kernel_matches_the_bf16_rounded_matmul(isa: str, bits: in
     out16 = torch.empty(rows, n, dtype=torch.bfloat16)
     kernels.linear_quant_rows_(out16, 0, x, w.codes, w.scales, w.mins, bits, group or k, bias)
     torch.testing.assert_close(out16.float(), want, rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
+@pytest.mark.parametrize(("rows", "k", "n"), ROWS_SHAPES)
+def test_prefill_quant_kernel_gives_linear_bf16_sums_over_the_dequantized_weight(
+        bits: int, group: int | None, mins: bool, rows: int, k: int, n: int) -> None:
+    """The blocks `linear_quant_rows_` dequantizes in cache are, to the bit, the compiled `dequantize_quant`'s bf16
+    weight packed as `linear_bf16` packs it at load: the same tiles over them give the same sums."""
+    kernels = kernels_for("avx512_bf16")
+    if cpu_features().amx_bf16:
+        pytest.skip("linear_bf16 runs these rows on the AMX tiles here, in another order")
+    w = random_quantized(n, k, bits, group or k, mins, seed=rows + k + n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    out = torch.empty(rows, n)
+    kernels.linear_quant_rows_(out, 0, x, w.codes, w.scales, w.mins, bits, group or k, None)
+    weight = kernels.dequantize_quant(w.codes, w.scales, w.mins, bits, group or k, k, torch.bfloat16)
+    assert torch.equal(out, kernels.linear_bf16(x, pack_blocks(weight), n, None, True))
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -133,8 +133,15 @@ struct QuantWeight {
       c0 = __builtin_convertvector(both & 15, floats16);
       c1 = __builtin_convertvector(both >> 4, floats16);
     }
+#if defined(__AVX512F__)
+    // one rounding (an fma) in every caller: -ffast-math lets GCC contract `c · s + m` in one inlined copy and not
+    // in another, and the prefill kernel's bf16 weights must be dequantize_quant's to the bit
+    w0 = (floats16)_mm512_fmadd_ps((__m512)c0, _mm512_set1_ps(s[g0]), _mm512_set1_ps(m ? m[g0] : 0.f));
+    w1 = (floats16)_mm512_fmadd_ps((__m512)c1, _mm512_set1_ps(s[g1]), _mm512_set1_ps(m ? m[g1] : 0.f));
+#else
     w0 = c0 * s[g0] + (m ? m[g0] : 0.f);
     w1 = c1 * s[g1] + (m ? m[g1] : 0.f);
+#endif
   }
 };
 
