@@ -266,9 +266,14 @@ void run_tiles(const QuantWeight& w, int bits, Group group, const uint16_t* x, i
     float sums[kRows][kOut];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t first = t * kOut;
-      // a tile of kOut outputs, or the last outputs one at a time
-      for (int64_t n0 = first; n0 < std::min(first + kOut, n); n0 += (n - first >= kOut ? kOut : 1)) {
-        const int out = n - first >= kOut ? kOut : 1;
+      // a tile of kOut outputs; the last outputs one at a time; and where the codes come straight from memory (1-4
+      // rows), fewer outputs side by side, so that they are read as fewer streams. 4 outputs' int8 codes read side
+      // by side streamed at 15-17 GB/s on a Zen 4 EPYC whose sequential reads reach 25-32: one output at a time
+      // made a step's int8 matmuls 1.3-1.4x faster at 1-2 rows, and two at a time the 4-bit ones ~1.05x (issue 31,
+      // docs/benchmarks.md). A row's sums are the same either way: one chain over k per row and output.
+      const int direct_out = bits == 4 ? 2 : 1;
+      const int out = n - first < kOut ? 1 : rows > kRows ? kOut : direct_out;
+      for (int64_t n0 = first; n0 < std::min(first + kOut, n); n0 += out) {
         const uint16_t* decoded = nullptr;
         if (rows > kRows) {
           if (bits == 4) decode_pairs(w, n0, out, k, buffer.data());
@@ -281,6 +286,7 @@ void run_tiles(const QuantWeight& w, int bits, Group group, const uint16_t* x, i
           const float* xs = mins_in_tile ? x_sums.data() + r0 * w.groups : nullptr;
 #define LLMGW_TILE(B, G)                                                                        \
   if (out == kOut) tile_rows<B, G, kOut>(r, w, n0, decoded, xr, x_stride, k_pairs, k, xs, sums); \
+  else if (out == 2) tile_rows<B, G, 2>(r, w, n0, decoded, xr, x_stride, k_pairs, k, xs, sums); \
   else tile_rows<B, G, 1>(r, w, n0, decoded, xr, x_stride, k_pairs, k, xs, sums);
           if (bits == 4) { LLMGW_TILE(4, kGroup32) }
           else if (group == kGroup16) { LLMGW_TILE(8, kGroup16) }
