@@ -78,13 +78,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                     "one matmul of a DecoderStack: plain fp32 or quantized parts")
       .def(pybind11::init<int64_t>(), pybind11::arg("out_features"))
       .def("set_dense", &StackProjection::set_dense, pybind11::arg("weight"), pybind11::arg("bias"))
+      .def("set_packed", &StackProjection::set_packed, pybind11::arg("blocks"), pybind11::arg("bias"))
       .def("add_quant_part", &StackProjection::add_quant_part, pybind11::arg("col0"), pybind11::arg("codes"),
            pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bits"), pybind11::arg("group"),
            pybind11::arg("bias"));
   pybind11::class_<DecoderStack>(m, "DecoderStack", pybind11::module_local(),
-                                 "Llama-shaped fp32 decoder layers run in one call")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, bool>(), pybind11::arg("heads"),
-           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("gelu"))
+                                 "Llama-shaped fp32 or bf16 decoder layers run in one call")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, bool>(), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("gelu"),
+           pybind11::arg("bf16") = false)
       .def("add_layer", &DecoderStack::add_layer, pybind11::arg("input_norm"), pybind11::arg("post_attention_norm"),
            pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"),
            pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("cos"), pybind11::arg("sin"),

@@ -1,5 +1,6 @@
 // DecoderStack (decoder_stack.h): the Python layers' forward (engine_core/models/llama.py with
-// layers/attention.py and layers/mlp.py over FusedLayerOps), step for step, in C++.
+// layers/attention.py and layers/mlp.py over FusedLayerOps), step for step, in C++: fp32 or bf16 activations, each
+// with FusedLayerOps' kernels for that dtype.
 #include "decoder_stack.h"
 
 #include <utility>
@@ -14,6 +15,21 @@ void linear_quant_(at::Tensor out, int64_t col0, at::Tensor x, at::Tensor codes,
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                         at::Tensor key_counts, double scale, int64_t window, double softcap,
                         c10::optional<at::Tensor> k, c10::optional<at::Tensor> v, c10::optional<at::Tensor> slots);
+#if defined(__AVX512BF16__)
+at::Tensor rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight, double eps);
+void rotary_(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up);
+at::Tensor linear_bf16(at::Tensor x, at::Tensor packed, int64_t out_features, c10::optional<at::Tensor> bias,
+                       bool out_fp32);
+#else  // the bf16 kernels exist in AVX-512 BF16 builds only, and Python builds a bf16 stack only where they do
+[[noreturn]] static void no_bf16() { TORCH_CHECK(false, "this kernel build has no bf16 layer kernels"); }
+static at::Tensor rms_norm(at::Tensor, c10::optional<at::Tensor>, at::Tensor, double) { no_bf16(); }
+static void rotary_(at::Tensor, at::Tensor, at::Tensor, at::Tensor) { no_bf16(); }
+static at::Tensor silu_and_mul(at::Tensor) { no_bf16(); }
+static at::Tensor gelu_tanh_and_mul(at::Tensor) { no_bf16(); }
+static at::Tensor linear_bf16(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>, bool) { no_bf16(); }
+#endif
 
 void StackProjection::set_dense(at::Tensor weight, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(parts_.empty() && weight.scalar_type() == at::kFloat && weight.size(0) == out_features_,
@@ -22,16 +38,23 @@ void StackProjection::set_dense(at::Tensor weight, c10::optional<at::Tensor> bia
   bias_ = std::move(bias);
 }
 
+void StackProjection::set_packed(at::Tensor blocks, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(parts_.empty() && !weight_.defined(), "a projection has one weight");
+  packed_ = std::move(blocks);
+  bias_ = std::move(bias);
+}
+
 void StackProjection::add_quant_part(int64_t col0, at::Tensor codes, at::Tensor scales,
                                      c10::optional<at::Tensor> mins, int64_t bits, int64_t group,
                                      c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(!weight_.defined(), "a projection is plain or quantized, not both");
+  TORCH_CHECK(!weight_.defined() && !packed_.defined(), "a projection is plain or quantized, not both");
   parts_.push_back({col0, std::move(codes), std::move(scales), std::move(mins), bits, group, std::move(bias)});
 }
 
 at::Tensor StackProjection::operator()(const at::Tensor& x) const {
   if (weight_.defined()) return at::linear(x, weight_, bias_);  // what F.linear runs
-  auto out = at::empty({x.size(0), out_features_}, x.options().dtype(at::kFloat));
+  if (packed_.defined()) return linear_bf16(x, packed_, out_features_, bias_, false);
+  auto out = at::empty({x.size(0), out_features_}, x.options());  // QuantLinear's: the model's dtype
   for (const QuantPart& p : parts_) linear_quant_(out, p.col0, x, p.codes, p.scales, p.mins, p.bits, p.group, p.bias);
   return out;
 }
@@ -46,6 +69,11 @@ void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor post_attention_no
                      std::move(sin), scale, window, softcap});
 }
 
+at::Tensor DecoderStack::norm(const at::Tensor& residual, c10::optional<at::Tensor> delta,
+                               const at::Tensor& weight) const {
+  return bf16_ ? rms_norm(residual, std::move(delta), weight, eps_) : rms_norm_f32(residual, std::move(delta), weight, eps_);
+}
+
 at::Tensor DecoderStack::attention(const Layer& layer, const at::Tensor& x, const at::Tensor& positions,
                                    const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_table, const at::Tensor& key_counts,
@@ -54,13 +82,12 @@ at::Tensor DecoderStack::attention(const Layer& layer, const at::Tensor& x, cons
   const at::Tensor qkv = layer.qkv(x);
   at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({-1, heads_ + kv_heads_, head_dim_});
   if (layer.q_norm) {  // Qwen3: per-head RMSNorm before RoPE
-    const at::Tensor q = rms_norm_f32(qk.slice(1, 0, heads_).reshape({-1, head_dim_}).contiguous(), c10::nullopt,
-                                      *layer.q_norm, eps_);
-    const at::Tensor k = rms_norm_f32(qk.slice(1, heads_).reshape({-1, head_dim_}).contiguous(), c10::nullopt,
-                                      *layer.k_norm, eps_);
+    const at::Tensor q = norm(qk.slice(1, 0, heads_).reshape({-1, head_dim_}).contiguous(), c10::nullopt, *layer.q_norm);
+    const at::Tensor k = norm(qk.slice(1, heads_).reshape({-1, head_dim_}).contiguous(), c10::nullopt, *layer.k_norm);
     qk = at::cat({q.view({-1, heads_, head_dim_}), k.view({-1, kv_heads_, head_dim_})}, 1);
   }
-  rotary_f32_(qk, positions, layer.cos, layer.sin);
+  if (bf16_) rotary_(qk, positions, layer.cos, layer.sin);
+  else rotary_f32_(qk, positions, layer.cos, layer.sin);
   const at::Tensor v = qkv.slice(1, q_size + kv_size).view({-1, kv_heads_, head_dim_});
   const at::Tensor o = paged_decode(qk.slice(1, 0, heads_), k_cache, v_cache, block_table, key_counts, layer.scale,
                                     layer.window, layer.softcap, qk.slice(1, heads_), v, slots);
@@ -80,10 +107,11 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(at::Tensor h, at::Tenso
     const Layer& layer = layers_[i];
     const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
     const at::Tensor attn = attention(layer, x, positions, k_caches[i], v_caches[i], block_table, key_counts, slots);
-    x = rms_norm_f32(h, attn, layer.post_attention_norm, eps_);  // h += attn in place
+    x = norm(h, attn, layer.post_attention_norm);  // h += attn in place
     const at::Tensor gate_up = layer.gate_up(x);
-    const at::Tensor act = gelu_ ? gelu_tanh_and_mul_f32(gate_up) : silu_and_mul_f32(gate_up);
-    x = rms_norm_f32(h, layer.down(act), next_norm, eps_);
+    const at::Tensor act = bf16_ ? (gelu_ ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up))
+                                 : (gelu_ ? gelu_tanh_and_mul_f32(gate_up) : silu_and_mul_f32(gate_up));
+    x = norm(h, layer.down(act), next_norm);
   }
   return {h, x};
 }

@@ -1,7 +1,7 @@
-// A whole stack of Llama-shaped decoder layers (Llama, SmolLM, Mistral, Qwen2/3) in one call, for the fp32
-// forward of small steps: the same kernels the Python layers call (layer_ops_f32.cpp, linear_quant.cpp,
-// paged_decode.cpp, at::linear for a plain fp32 weight) in the same order on the same tensors, so the result is
-// bit for bit the Python path's. What it saves is the glue: at batch 1 a layer makes ~9 kernel calls and a dozen
+// A whole stack of Llama-shaped decoder layers (Llama, SmolLM, Mistral, Qwen2/3) in one call, for the fp32 or
+// bf16 forward of small steps: the same kernels the Python layers call (layer_ops_f32.cpp or layer_ops.cpp,
+// linear_quant.cpp, paged_decode.cpp, at::linear for a plain fp32 weight, linear_bf16 for a packed bf16 one) in
+// the same order on the same tensors, so the result is bit for bit the Python path's. What it saves is the glue: at batch 1 a layer makes ~9 kernel calls and a dozen
 // views from Python, ~2 us each, about 1.3 ms of a 10 ms step on a small model (docs/benchmarks.md).
 #pragma once
 
@@ -11,11 +11,13 @@
 #include <tuple>
 #include <vector>
 
-// One matmul: a plain fp32 weight (at::linear), or parts kept quantized, each writing its columns of the output.
+// One matmul: a plain fp32 weight (at::linear), a bf16 weight packed for linear_bf16, or parts kept quantized,
+// each writing its columns of the output (in the activations' dtype).
 class StackProjection {
  public:
   explicit StackProjection(int64_t out_features) : out_features_(out_features) {}
   void set_dense(at::Tensor weight, c10::optional<at::Tensor> bias);
+  void set_packed(at::Tensor blocks, c10::optional<at::Tensor> bias);  // linear_bf16's blocks, an fp32 bias
   void add_quant_part(int64_t col0, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins, int64_t bits,
                       int64_t group, c10::optional<at::Tensor> bias);
   at::Tensor operator()(const at::Tensor& x) const;
@@ -30,14 +32,16 @@ class StackProjection {
   };
   int64_t out_features_;
   at::Tensor weight_;  // defined for a plain weight
+  at::Tensor packed_;  // defined for a packed bf16 weight
   c10::optional<at::Tensor> bias_;
   std::vector<QuantPart> parts_;
 };
 
 class DecoderStack {
  public:
-  DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, bool gelu)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), gelu_(gelu) {}
+  // bf16: the activations are bf16 and the layers call the bf16 kernels (an AVX-512 BF16 build), as FusedLayerOps
+  DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, bool gelu, bool bf16)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), gelu_(gelu), bf16_(bf16) {}
   // Layers in order; a layer's output norm is the next layer's input norm, the last one's `final_norm`.
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, StackProjection qkv, StackProjection o,
                  StackProjection gate_up, StackProjection down, c10::optional<at::Tensor> q_norm,
@@ -60,12 +64,13 @@ class DecoderStack {
     int64_t window;
     double softcap;
   };
+  at::Tensor norm(const at::Tensor& residual, c10::optional<at::Tensor> delta, const at::Tensor& weight) const;
   at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& key_counts,
                        const at::Tensor& slots) const;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
-  bool gelu_;
+  bool gelu_, bf16_;
   std::vector<Layer> layers_;
   at::Tensor final_norm_;
 };
