@@ -4,6 +4,7 @@ decode step at each batch size with `model.stack` on, then off, round after roun
 median of the per-round ratios.
 
     .venv/bin/python benchmarks/decoder_stack.py --quantization auto int8 --batch 1 4 16
+    .venv/bin/python benchmarks/decoder_stack.py --dtype bfloat16 --quantization none int8 auto --batch 1 4 16
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def alternate(engine: LLMEngine, batch: int, rounds: int, steps: int) -> tuple[l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", nargs="+", default=["auto"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=7)
@@ -49,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     print(describe_cpu(), f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     for quantization in args.quantization:
-        engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", quantization=quantization,
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, quantization=quantization,
                                         max_num_seqs=max(args.batch), kv_cache_bytes=512 * 2**20))
         if engine.model.stack is None:
             print(f"{quantization}: this model has no compiled stack here", flush=True)
@@ -57,7 +59,8 @@ def main() -> None:
         for batch in args.batch:
             on, off = alternate(engine, batch, args.rounds, args.steps)
             ratios = [a / b for a, b in zip(on, off)]
-            print(f"fp32 / {quantization}, batch {batch:2d}: forward with the stack {statistics.median(on):.2f} ms, "
+            print(f"{args.dtype} / {quantization}, batch {batch:2d}: forward with the stack "
+                  f"{statistics.median(on):.2f} ms, "
                   f"Python layers {statistics.median(off):.2f} ms; per-round ratio median "
                   f"{statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} rounds "
                   f"of {args.steps} steps)", flush=True)
