@@ -75,7 +75,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: each ISA level's build registers its own classes, so two builds load in one process (the
   // image's import check and the kernel tests load every level this CPU runs)
   pybind11::class_<StackProjection>(m, "StackProjection", pybind11::module_local(),
-                                    "one matmul of a DecoderStack: plain fp32 or quantized parts")
+                                    "one matmul of a DecoderStack: plain fp32, packed bf16 or quantized parts")
       .def(pybind11::init<int64_t>(), pybind11::arg("out_features"))
       .def("set_dense", &StackProjection::set_dense, pybind11::arg("weight"), pybind11::arg("bias"))
       .def("set_packed", &StackProjection::set_packed, pybind11::arg("blocks"), pybind11::arg("bias"))

@@ -71,7 +71,8 @@ void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor post_attention_no
 
 at::Tensor DecoderStack::norm(const at::Tensor& residual, c10::optional<at::Tensor> delta,
                                const at::Tensor& weight) const {
-  return bf16_ ? rms_norm(residual, std::move(delta), weight, eps_) : rms_norm_f32(residual, std::move(delta), weight, eps_);
+  return bf16_ ? rms_norm(residual, std::move(delta), weight, eps_)
+               : rms_norm_f32(residual, std::move(delta), weight, eps_);
 }
 
 at::Tensor DecoderStack::attention(const Layer& layer, const at::Tensor& x, const at::Tensor& positions,
@@ -82,7 +83,8 @@ at::Tensor DecoderStack::attention(const Layer& layer, const at::Tensor& x, cons
   const at::Tensor qkv = layer.qkv(x);
   at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({-1, heads_ + kv_heads_, head_dim_});
   if (layer.q_norm) {  // Qwen3: per-head RMSNorm before RoPE
-    const at::Tensor q = norm(qk.slice(1, 0, heads_).reshape({-1, head_dim_}).contiguous(), c10::nullopt, *layer.q_norm);
+    const at::Tensor q =
+        norm(qk.slice(1, 0, heads_).reshape({-1, head_dim_}).contiguous(), c10::nullopt, *layer.q_norm);
     const at::Tensor k = norm(qk.slice(1, heads_).reshape({-1, head_dim_}).contiguous(), c10::nullopt, *layer.k_norm);
     qk = at::cat({q.view({-1, heads_, head_dim_}), k.view({-1, kv_heads_, head_dim_})}, 1);
   }

@@ -1,8 +1,9 @@
 // A whole stack of Llama-shaped decoder layers (Llama, SmolLM, Mistral, Qwen2/3) in one call, for the fp32 or
 // bf16 forward of small steps: the same kernels the Python layers call (layer_ops_f32.cpp or layer_ops.cpp,
 // linear_quant.cpp, paged_decode.cpp, at::linear for a plain fp32 weight, linear_bf16 for a packed bf16 one) in
-// the same order on the same tensors, so the result is bit for bit the Python path's. What it saves is the glue: at batch 1 a layer makes ~9 kernel calls and a dozen
-// views from Python, ~2 us each, about 1.3 ms of a 10 ms step on a small model (docs/benchmarks.md).
+// the same order on the same tensors, so the result is bit for bit the Python path's. What it saves is the glue:
+// at batch 1 a layer makes ~9 kernel calls and a dozen views from Python, ~2 us each, about 1.3 ms of a 10 ms
+// step on a small model (docs/benchmarks.md).
 #pragma once
 
 #include <ATen/ATen.h>
