@@ -9,6 +9,7 @@ compiled paged attention, whole-head rotary, Llama's layer (Llama, SmolLM, Mistr
 linear_quant, a plain fp32 weight or a bf16 one packed for linear_bf16, steps of at most QUANT_KERNEL_MAX_ROWS rows
 and no LoRA adapter in the step. Any other model or step takes the Python layers.
 """
+
 from __future__ import annotations
 
 from types import ModuleType
