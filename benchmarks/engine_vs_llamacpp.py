@@ -16,6 +16,10 @@ the llama.cpp vendored in the llama-cpp-python sdist (PyPI is the only source ne
 ~/.cache/llm-gateway/llama.cpp/<version>/ (6 min on 2 cores, nice'd; skipped when the binaries are there).
 llama-server is started with one slot per request in flight (-np), all CPUs (-t) and --no-repack.
 
+With --rounds N both servers of a pair are up at once and measured in turn N times, and the summary gives each
+round's ratios and their median: this VM's speed drifts by tens of percent from one minute to the next, and
+alternating puts the drift on both sides alike.
+
 Nothing else may run meanwhile: llama.cpp's threads wait for each other at every op, and one busy core turned
 its c=1 TPOT p50 of 14 ms into multi-second stalls here. A warning is printed when the load average is up.
 Results (llmgw bench JSON, server logs, cpu.txt, summary.md) go to --out-dir.
@@ -23,16 +27,19 @@ Results (llmgw bench JSON, server logs, cpu.txt, summary.md) go to --out-dir.
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --build-only
     .venv/bin/python benchmarks/engine_vs_llamacpp.py                      # all pairs, bench-results/llamacpp
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --pairs q4 --gguf /path/to/model-q4_k_m.gguf
+    .venv/bin/python benchmarks/engine_vs_llamacpp.py --pairs q8,bf16 --concurrency 1 --num-requests 16 --rounds 6
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --pairs q8 --only llamacpp --concurrency 1 --num-requests 8
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -135,16 +142,48 @@ def engine_command(model: str, quantization: str, args: argparse.Namespace, conf
             "--log-level", "warning"]
 
 
-def serve(name: str, command: list[str], url: str, output: Path, args: argparse.Namespace) -> None:
+def check_idle(name: str) -> None:
     load = os.getloadavg()[0]
     if load > 0.5:  # llama.cpp's spinning threads suffer most from a busy CPU: its figures fall several-fold
         print(f"WARNING: load average {load:.1f} before {name}: something else is running; figures will be off",
               flush=True)
+
+
+def measure(url: str, pid: int, output: Path, args: argparse.Namespace, seed: int = 0) -> None:
+    # `Connection: close` for both servers (the same client): llama-server announces keep-alive but closes the
+    # connection after each streamed answer, and the next request on it failed, every other request
+    bench(url, pid, output, args, extra=("--header", "Connection: close", "--seed", str(seed)))
+
+
+def serve(name: str, command: list[str], url: str, output: Path, args: argparse.Namespace) -> None:
+    check_idle(name)
     print("+", shlex.join(command), flush=True)
     with running_server(name, command, url, args.out_dir / f"{name}.log") as proc:
-        # `Connection: close` for both servers (the same client): llama-server announces keep-alive but closes the
-        # connection after each streamed answer, and the next request on it failed, every other request
-        bench(url, proc.pid, output, args, extra=("--header", "Connection: close"))
+        measure(url, proc.pid, output, args)
+
+
+def serve_alternating(pair: str, engine: list[str], llamacpp: list[str], args: argparse.Namespace) -> list[Path]:
+    """Both servers up at once, measured in turn --rounds times (who goes first alternates), so that a drift in the
+    machine's speed falls on both sides alike. An idle server takes no CPU: each waits for requests."""
+    check_idle(pair)
+    outputs = []
+    with contextlib.ExitStack() as stack:
+        procs = {}
+        for side, command, url in (("engine", engine, ENGINE_URL), ("llamacpp", llamacpp, LLAMACPP_URL)):
+            print("+", shlex.join(command), flush=True)
+            procs[side] = stack.enter_context(running_server(f"{side}-{pair}", command, url,
+                                                             args.out_dir / f"{side}-{pair}.log")), url
+        for round_ in range(args.rounds):
+            order = ("engine", "llamacpp") if round_ % 2 == 0 else ("llamacpp", "engine")
+            for side in order:
+                output = args.out_dir / f"{side}-{pair}-round{round_ + 1}.json"
+                print(f"\n== {pair}: {side}, round {round_ + 1} of {args.rounds}", flush=True)
+                proc, url = procs[side]
+                # new prompts each round (the same for both sides): llama-server keeps each slot's last prompt, and
+                # the round before's prompts came back at a 10 ms TTFT
+                measure(url, proc.pid, output, args, seed=round_)
+                outputs.append(output)
+    return outputs
 
 
 def figures(path: Path) -> dict[str, float]:
@@ -175,6 +214,36 @@ def table(pair: str, ours: dict[str, float], theirs: dict[str, float], cpu: str)
     return "\n".join([*lines, "", "(tok/s: higher is better; TPOT: lower is better)"]) + "\n"
 
 
+def rounds_table(pair: str, outputs: list[Path], cpu: str) -> str:
+    """Each round's figures and ratios, then the medians: the table above over the rounds' median figures."""
+    by_round: dict[int, dict[str, dict[str, float]]] = {}
+    for path in outputs:
+        side, round_ = path.stem.split("-")[0], int(path.stem.rsplit("round", 1)[1])
+        by_round.setdefault(round_, {})[side] = figures(path)
+    keys = [k for k in dict.fromkeys(k for r in by_round.values() for k in r["engine"]) if k != "failed requests"]
+    lines = [f"### {pair}, {len(by_round)} alternating rounds  ({cpu})", "",
+             "| round | " + " | ".join(f"{k}: engine / llama.cpp" for k in keys) + " |",
+             "|---|" + "---:|" * len(keys)]
+    ratios: dict[str, list[float]] = {k: [] for k in keys}
+    for round_, sides in sorted(by_round.items()):
+        cells = []
+        for key in keys:
+            a, b = sides["engine"].get(key), sides["llamacpp"].get(key)
+            if a and b:
+                ratios[key].append(a / b)
+            cells.append(f"{a:.1f} / {b:.1f} = {a / b:.2f}x" if a and b else "-")
+        lines.append(f"| {round_} | " + " | ".join(cells) + " |")
+    lines.append("| median ratio | " + " | ".join(
+        f"{statistics.median(ratios[k]):.2f}x (range {min(ratios[k]):.2f}-{max(ratios[k]):.2f})" if ratios[k] else "-"
+        for k in keys) + " |")
+    median = lambda side: {k: statistics.median(r[side][k] for r in by_round.values() if k in r[side])
+                           for k in [*keys, "failed requests"] if any(k in r[side] for r in by_round.values())}
+    failed = lambda side: sum(r[side].get("failed requests", 0) for r in by_round.values())
+    ours, theirs = median("engine"), median("llamacpp")
+    ours["failed requests"], theirs["failed requests"] = failed("engine"), failed("llamacpp")
+    return "\n".join(lines) + "\n\n" + table(f"{pair}, medians of the rounds", ours, theirs, cpu)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--build-only", action="store_true", help="build llama.cpp (if not cached) and stop")
@@ -190,10 +259,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the engine's")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-threads", type=int, default=None, help="the engine's torch threads")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="over 1: both servers up at once, measured in turn this many times (a pair at a time)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench-results/llamacpp")
     args = parser.parse_args()
     if unknown := set(args.pairs.split(",")) - set(PAIRS):
         parser.error(f"--pairs: no pair {', '.join(sorted(unknown))}; pairs are {', '.join(PAIRS)}")
+    if args.rounds > 1 and args.only:
+        parser.error("--rounds measures both sides in turn: it takes no --only")
     bin_dir = build_llamacpp()
     if args.build_only:
         return
@@ -207,9 +280,17 @@ def main() -> None:
     tables = []
     for pair in args.pairs.split(","):
         quantization, file_type = PAIRS[pair]
+        model = str(gguf) if args.gguf or file_type is None else "embedded"
+        if args.rounds > 1:
+            print(f"\n== {pair}: engine (model {model}, dtype {args.dtype}, quantization {quantization}) "
+                  f"and llama.cpp, {args.rounds} alternating rounds", flush=True)
+            outputs = serve_alternating(
+                pair, engine_command(model, quantization, args, args.out_dir / f"engine-{pair}.toml"),
+                llamacpp_command(bin_dir, llamacpp_weights(bin_dir, gguf, file_type), args), args)
+            tables.append(rounds_table(pair, outputs, cpu))
+            continue
         engine_json, llamacpp_json = args.out_dir / f"engine-{pair}.json", args.out_dir / f"llamacpp-{pair}.json"
         if args.only != "llamacpp":
-            model = str(gguf) if args.gguf or file_type is None else "embedded"
             command = engine_command(model, quantization, args, args.out_dir / f"engine-{pair}.toml")
             print(f"\n== {pair}: engine, model {model}, dtype {args.dtype}, quantization {quantization}", flush=True)
             serve(f"engine-{pair}", command, ENGINE_URL, engine_json, args)
