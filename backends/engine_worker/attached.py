@@ -40,7 +40,7 @@ class AttachedEngineWorker(EngineWorkerBackend):
             raise RuntimeError(f"{ATTACH_ENV} is set but the supervisor's run directory is not")
         while True:
             conn = Connection(self._context)
-            conn.receiver = asyncio.create_task(self._receive(conn))
+            self._receive(conn)
             try:
                 if await self._attach(conn, address):
                     break

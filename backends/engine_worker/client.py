@@ -23,7 +23,6 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from backends.base import (
     BackendError,
@@ -88,7 +87,7 @@ class EngineWorkerBackend:
         self._info: BackendInfo | None = None
         self._dtype: tuple[str, str] | None = None
         self._load: WorkerLoad | None = None
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()  # the sockets from the workers: closed together at the end
         self._conn: Connection | None = None
         self._streams: dict[int, asyncio.Queue[TokenEvent | BaseException]] = {}
         self._calls: dict[int, tuple[asyncio.Future[Any], Any]] = {}
@@ -114,7 +113,7 @@ class EngineWorkerBackend:
     async def _spawn(self) -> None:
         """Start a worker and wait until its engine is loaded; raise (with the worker's reason) if it is not."""
         conn = Connection(self._context)
-        conn.receiver = asyncio.create_task(self._receive(conn))
+        self._receive(conn)
         settings = msgspec.to_builtins(msgspec.structs.replace(self.settings, num_threads=self.threads))
         launch = Launch(name=self.name, settings=settings, to_worker=conn.to_worker, from_worker=conn.from_worker,
                         parent_pid=os.getpid(), attach=attach_address(self.name))
@@ -352,14 +351,16 @@ class EngineWorkerBackend:
 
     # the worker's messages
 
-    async def _receive(self, conn: Connection) -> None:
+    def _receive(self, conn: Connection) -> None:
         decoder = msgspec.msgpack.Decoder(FromWorker)
-        while True:
-            data = await conn.pull.recv(copy=False)
+
+        def handle(data: zmq.Frame) -> None:
             try:
                 self._dispatch(conn, decoder.decode(data))
             except Exception:  # one bad message must not stop every stream's deliveries
                 log.exception("backend %s: engine worker message not handled", self.name)
+
+        conn.receive(handle)
 
     def _dispatch(self, conn: Connection, message: FromWorker) -> None:
         if isinstance(message, Tokens):
