@@ -162,11 +162,13 @@ def serve(name: str, command: list[str], url: str, output: Path, args: argparse.
         measure(url, proc.pid, output, args)
 
 
-def serve_alternating(pair: str, engine: list[str], llamacpp: list[str], args: argparse.Namespace) -> list[Path]:
+def serve_alternating(pair: str, engine: list[str], llamacpp: list[str],
+                      args: argparse.Namespace) -> dict[int, dict[str, Path]]:
     """Both servers up at once, measured in turn --rounds times (who goes first alternates), so that a drift in the
-    machine's speed falls on both sides alike. An idle server takes no CPU: each waits for requests."""
+    machine's speed falls on both sides alike. An idle server takes no CPU: each waits for requests. Returns each
+    round's `llmgw bench` JSON by side."""
     check_idle(pair)
-    outputs = []
+    outputs: dict[int, dict[str, Path]] = {}
     with contextlib.ExitStack() as stack:
         procs = {}
         for side, command, url in (("engine", engine, ENGINE_URL), ("llamacpp", llamacpp, LLAMACPP_URL)):
@@ -182,7 +184,7 @@ def serve_alternating(pair: str, engine: list[str], llamacpp: list[str], args: a
                 # new prompts each round (the same for both sides): llama-server keeps each slot's last prompt, and
                 # the round before's prompts came back at a 10 ms TTFT
                 measure(url, proc.pid, output, args, seed=round_)
-                outputs.append(output)
+                outputs.setdefault(round_ + 1, {})[side] = output
     return outputs
 
 
@@ -214,12 +216,9 @@ def table(pair: str, ours: dict[str, float], theirs: dict[str, float], cpu: str)
     return "\n".join([*lines, "", "(tok/s: higher is better; TPOT: lower is better)"]) + "\n"
 
 
-def rounds_table(pair: str, outputs: list[Path], cpu: str) -> str:
+def rounds_table(pair: str, outputs: dict[int, dict[str, Path]], cpu: str) -> str:
     """Each round's figures and ratios, then the medians: the table above over the rounds' median figures."""
-    by_round: dict[int, dict[str, dict[str, float]]] = {}
-    for path in outputs:
-        side, round_ = path.stem.split("-")[0], int(path.stem.rsplit("round", 1)[1])
-        by_round.setdefault(round_, {})[side] = figures(path)
+    by_round = {round_: {side: figures(path) for side, path in sides.items()} for round_, sides in outputs.items()}
     keys = [k for k in dict.fromkeys(k for r in by_round.values() for k in r["engine"]) if k != "failed requests"]
     lines = [f"### {pair}, {len(by_round)} alternating rounds  ({cpu})", "",
              "| round | " + " | ".join(f"{k}: engine / llama.cpp" for k in keys) + " |",
