@@ -40,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=5, access_log=False),  # our own access log
                             app.state.gateway)
     # a front listens on a socket of its own beside the other fronts' (SO_REUSEPORT)
-    server.run(sockets=[reuse_port_socket(host, port, listen=True)] if here is not None else None)
+    server.run(sockets=[reuse_port_socket(host, port)] if here is not None else None)
     return 0
 
 

@@ -36,6 +36,8 @@ from gateway.config import GatewayConfig
 
 log = logging.getLogger("llmgw")
 FRONT_ENV = "LLMGW_FRONT"  # "k/N" in front k of N
+RESTARTED_ENV = "LLMGW_FRONT_RESTARTED"  # "1" in a front started again after it died
+RESTARTED_WAIT = 60.0  # seconds a front started again waits for its backends before it listens regardless
 RESTART_DELAY = 1.0  # seconds before a front that died is started again
 STOP_TIMEOUT = 10.0  # seconds past the drain timeout before a front that ignores SIGTERM is killed
 
@@ -61,23 +63,29 @@ def front_count() -> int:
     return here[1] if here is not None else 1
 
 
+def restarted_front() -> bool:
+    """A front started again while the others serve: it takes connections only once its backends have started
+    (attached to the engine workers), or the kernel hands it clients it would answer 503 meanwhile."""
+    return front() is not None and os.environ.get(RESTARTED_ENV) == "1"
+
+
 def first_front() -> bool:
     """This process reports what every front sees alike once (the engine's step figures)."""
     here = front()
     return here is None or here[0] == 0
 
 
-def reuse_port_socket(host: str, port: int, listen: bool) -> socket.socket:
+def reuse_port_socket(host: str, port: int) -> socket.socket:
     """A socket on host:port with SO_REUSEPORT: each front listens on one of its own and the kernel spreads new
     connections over them evenly (one shared socket let whichever front woke first take a whole burst);
-    the supervisor's, bound but not listening, holds the port and takes none."""
+    the supervisor's holds the port and never listens, so it takes none. It is returned bound, not listening:
+    a front's server listens on it once the app's start-up is done, so no client waits on a front still
+    starting."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    if listen:
-        sock.listen(2048)
     return sock
 
 
@@ -87,7 +95,7 @@ class FrontSupervisor:
         self.config_path = config_path
         self.count = resolved_workers(config)
         self.log_level = log_level
-        self.sock = reuse_port_socket(host, port, listen=False)
+        self.sock = reuse_port_socket(host, port)
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmgw-fronts-"))
         self.metrics_dir = self.run_dir / "metrics"
         self.metrics_dir.mkdir()
@@ -197,8 +205,10 @@ class FrontSupervisor:
         """Front `index`, run and started again whenever it ends, until the gateway stops."""
         from prometheus_client import multiprocess
 
+        restarted = False
         while True:
-            process = await self._spawn(index)
+            process = await self._spawn(index, restarted)
+            restarted = True
             self.fronts[index] = process
             code = await process.wait()
             multiprocess.mark_process_dead(process.pid, str(self.metrics_dir))  # its in-flight gauge goes
@@ -209,13 +219,13 @@ class FrontSupervisor:
             if self.stopping:
                 return
 
-    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+    async def _spawn(self, index: int, restarted: bool) -> asyncio.subprocess.Process:
         from backends.engine_worker.attached import ATTACH_ENV
         from backends.engine_worker.connection import RUN_DIR_ENV
 
         host, port = self.sock.getsockname()[:2]
         env = {**os.environ, FRONT_ENV: f"{index}/{self.count}", ATTACH_ENV: "1", RUN_DIR_ENV: str(self.run_dir),
-               "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+               "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), RESTARTED_ENV: "1" if restarted else ""}
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway", "serve", "--config", self.config_path, "--host", host, "--port", str(port),
             "--log-level", self.log_level, env=env)

@@ -79,6 +79,7 @@ class Gateway:
         self.metrics.add_state_source(store_state(self.accounts.status, self.accounts.quota.limiter.status))
         self.users: dict[int, int] = {}  # by id(backend): requests generating on it now
         self._tasks: list[asyncio.Task[None]] = []
+        self._starting: list[asyncio.Task[bool]] = []
         self._reload_lock: asyncio.Lock | None = None
 
     # the active snapshot; read once per request
@@ -105,12 +106,17 @@ class Gateway:
         """Start every backend in the background; the server answers (503 on /health) meanwhile."""
         if self.front_feed is not None:
             self.front_feed.start()
-        for name, backend in self.backends.items():
-            self._tasks.append(asyncio.create_task(self._start(name, backend)))
+        self._starting = [asyncio.create_task(self._start(name, backend)) for name, backend in self.backends.items()]
+        self._tasks.extend(self._starting)
         interval = self.config.server.health_check_interval
         self._tasks.append(asyncio.create_task(self._check_health(interval)))
         if self.config.server.watch_config and self.config_path and front() is None:  # else the supervisor's
             self._tasks.append(asyncio.create_task(self._watch_file()))
+
+    async def backends_started(self, timeout: float) -> None:
+        """Until every backend has started or failed, `timeout` s at most."""
+        if self._starting:
+            await asyncio.wait(self._starting, timeout=timeout)
 
     async def _start(self, name: str, backend: Backend) -> bool:
         observers = getattr(backend, "observers", None)
