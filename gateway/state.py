@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from backends.pool.build import make_backend
 from gateway.config import ConfigError, GatewayConfig, parse_config, primary_routes
 from gateway.errors import GatewayError
 from gateway.front_feed import front_feed
-from gateway.fronts import first_front, front
+from gateway.fronts import front
 from gateway.policy.accounts import Accounts
 from gateway.policy.auth import KeyRing
 from gateway.rollout.manager import RolloutManager
@@ -29,8 +29,9 @@ from gateway.routing.admission import Admission, ModelGate
 from gateway.routing.health import HealthTracker
 from gateway.routing.router import ModelRoute, Router
 from gateway.routing.shadow import ShadowRecorder
+from gateway.telemetry.backend_metrics import BackendTelemetry
 from gateway.telemetry.key_metrics import store_state
-from gateway.telemetry.metrics import GatewayMetrics, counter, engine_state, gauge
+from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.pool_metrics import PoolTelemetry, pool_state
 from gateway.telemetry.record import RequestRecord
 from gateway.telemetry.tracing import Tracing
@@ -61,9 +62,8 @@ class Gateway:
                                                           rollouts=self.rollouts))
         self.metrics = GatewayMetrics(tgi_compatible=server.tgi_metrics,
                                       per_key_series=server.max_key_series if server.metrics_per_key else 0)
-        self.metrics.add_state_source(engine_state(self._engines))
-        self.metrics.add_state_source(self._backend_state)
-        self.metrics.add_state_source(self._engine_workers)
+        self.backend_telemetry = BackendTelemetry(self.metrics, lambda: self.backends, self.started, self.failed,
+                                                  self.health)
         self.pool_telemetry = PoolTelemetry(self.metrics)
         self.front_feed = front_feed(lambda: self.backends)  # one front of several: pools share choices and health
         self.metrics.add_state_source(pool_state(lambda: self.backends))
@@ -133,13 +133,7 @@ class Gateway:
             self.failed[id(backend)] = str(exc) or type(exc).__name__
             return False
         self.started[id(backend)] = True
-        for label, member in engines_of(name, backend):
-            engine = getattr(member, "engine", None)
-            if engine is not None and hasattr(engine, "step_listeners"):
-                engine.step_listeners.append(self._engine_step_observer(label))
-                engine.abort_listeners.append(self.metrics.abort_seconds.labels(label).observe)
-            elif hasattr(member, "step_listeners") and first_front():  # a worker: its steps' figures over IPC,
-                member.step_listeners.append(self._engine_step_observer(label))  # counted by one front of several
+        self.backend_telemetry.watch_steps(name, backend)
         healthy = False
         with contextlib.suppress(Exception):
             healthy = await backend.health()
@@ -159,52 +153,6 @@ class Gateway:
                     async with asyncio.timeout(max(1.0, interval / 2)):
                         healthy = await backend.health()
                 self.health.record_check(name, healthy)
-
-    def _engine_members(self, started_only: bool = False) -> list[tuple[str, Any]]:
-        """Every engine backend and every engine worker of a pool, by its metrics label."""
-        return [member for name, b in self.backends.items() if not started_only or self.started.get(id(b))
-                for member in engines_of(name, b)]
-
-    def _engines(self) -> dict[str, Any]:
-        """Each started engine's figures: the in-process LLMEngine, or an engine worker's latest report."""
-        return {label: b.figures() if hasattr(b, "figures") else getattr(getattr(b, "engine", None), "engine", None)
-                for label, b in self._engine_members(started_only=True)}
-
-    def _engine_workers(self) -> Iterator[Any]:
-        workers = [(n, b) for n, b in self._engine_members() if hasattr(b, "restarts")]
-        yield counter("llmgw_engine_worker_restarts", "Engine worker processes that died and were started again",
-                      ["backend"], [([n], b.restarts) for n, b in workers])
-        yield gauge("llmgw_engine_worker_up", "1 while the engine worker process serves", ["backend"],
-                    [([n], float(b.state == "ready")) for n, b in workers])
-        yield gauge("llmgw_engine_worker_pid", "The process id of the engine worker serving now", ["backend"],
-                    [([n], b.pid) for n, b in workers if b.pid is not None])
-
-    def _engine_step_observer(self, name: str) -> Any:
-        batch = self.metrics.engine_batch.labels(name)
-        tokens = self.metrics.engine_tokens.labels(name)
-        seconds = self.metrics.engine_step.labels(name)
-
-        def observe(llm: Any) -> None:  # runs in the engine thread, after each step
-            step = llm.last_step
-            if step is not None:
-                batch.observe(step.num_seqs)
-                tokens.observe(step.num_tokens)
-                seconds.observe(step.seconds)
-            if self.metrics.tgi is not None:
-                self.metrics.tgi.batch_size = len(llm.scheduler.running)
-                self.metrics.tgi.queue_size = len(llm.scheduler.waiting)
-
-        return observe
-
-    def _backend_state(self) -> Iterator[Any]:
-        backends = self.backends.items()
-        yield gauge("llmgw_backend_healthy", "1 when the backend passes its health checks and is not ejected",
-                    ["backend"], [([n], float(bool(self.started.get(id(b))) and self.health.describe(n) == "healthy"))
-                                  for n, b in backends])
-        yield gauge("llmgw_backend_circuit_open", "1 while passive ejection keeps the backend out", ["backend"],
-                    [([n], float(self.health.describe(n) == "ejected")) for n, _ in backends])
-        yield gauge("llmgw_backend_failed", "1 when the backend failed to start (/health says why)", ["backend"],
-                    [([n], float(id(b) in self.failed)) for n, b in backends])
 
     def healthy(self) -> bool:
         """Ready when every model has at least one started backend that is not ejected, and not draining
@@ -406,14 +354,6 @@ class Gateway:
 
 def build_backends(config: GatewayConfig) -> dict[str, Backend]:
     return {name: make_backend(name, entry.type, entry.settings) for name, entry in config.backends.items()}
-
-
-def engines_of(name: str, backend: Any) -> list[tuple[str, Any]]:
-    """An engine backend as itself; a pool as its engine workers, each labelled by its replica id
-    ("local-worker-0"), so that their step figures and restarts show one by one; others: none."""
-    replicas = getattr(backend, "replica_states", None)
-    members = [(r.id, r.backend) for r in replicas()] if replicas is not None else [(name, backend)]
-    return [(label, b) for label, b in members if hasattr(b, "step_listeners") or hasattr(b, "engine")]
 
 
 def _worker_note(backend: Any) -> str | None:
