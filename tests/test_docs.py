@@ -244,7 +244,7 @@ def test_benchmark_headline_commands_are_real(tmp_path: Path) -> None:
                          ids=lambda b: b.id)
 def test_helm_values_snippet_renders_a_config_that_passes_check_config(block: Block, tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.test_helm_chart import config_toml, render
+    from tests.helm_chart import config_toml, render
 
     path = tmp_path / "config.toml"
     path.write_text(config_toml(render(yaml.safe_load(block.text))))
