@@ -210,7 +210,8 @@ def test_an_engine_worker_killed_is_restarted_once_and_every_front_serves_again(
 
     thread = threading.Thread(target=whole)
     thread.start()
-    wait_until(lambda: total(url, "llmgw_engine_running_seqs") == 1, "the request running")
+    wait_until(lambda: results or total(url, "llmgw_engine_running_seqs") == 1, "the request running")
+    assert not results, f"the request ended before the worker was killed: {results[0].status_code} {results[0].text}"
     worker.kill()
     thread.join(CLIENT_TIMEOUT)
     assert results[0].status_code == 503 and results[0].json()["error_type"] == "unavailable"
