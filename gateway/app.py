@@ -21,7 +21,7 @@ from backends.base import Backend
 from gateway import __version__, sse
 from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import GatewayError
-from gateway.fronts import RESTARTED_WAIT, restarted_front
+from gateway.fronts import LISTEN_WAIT, listens_once_started
 from gateway.generation import ClientGone
 from gateway.policy.guards import AuthMiddleware, ClientLimitsMiddleware
 from gateway.routes.admin import AdminController
@@ -107,8 +107,8 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
         await gateway.accounts.open()  # a state database with a schema it does not know stops the start here
         await gateway.rollouts.open()  # a rollout in progress resumes at its stored step
         gateway.start_backends()
-        if restarted_front():
-            await gateway.backends_started(RESTARTED_WAIT)
+        if listens_once_started():
+            await gateway.backends_started(LISTEN_WAIT)
         # what imports and start-up made lives as long as the process: out of the collector's way, or each full
         # collection walks some 300,000 objects (about 130 ms; a quarter of the CPU at saturation), as vLLM does
         gc.collect()

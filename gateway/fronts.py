@@ -37,7 +37,7 @@ from gateway.config import GatewayConfig
 log = logging.getLogger("llmgw")
 FRONT_ENV = "LLMGW_FRONT"  # "k/N" in front k of N
 RESTARTED_ENV = "LLMGW_FRONT_RESTARTED"  # "1" in a front started again after it died
-RESTARTED_WAIT = 60.0  # seconds a front started again waits for its backends before it listens regardless
+LISTEN_WAIT = 600.0  # seconds a front waits for its backends (a model loading) before it listens regardless
 RESTART_DELAY = 1.0  # seconds before a front that died is started again
 STOP_TIMEOUT = 10.0  # seconds past the drain timeout before a front that ignores SIGTERM is killed
 
@@ -63,10 +63,12 @@ def front_count() -> int:
     return here[1] if here is not None else 1
 
 
-def restarted_front() -> bool:
-    """A front started again while the others serve: it takes connections only once its backends have started
-    (attached to the engine workers), or the kernel hands it clients it would answer 503 meanwhile."""
-    return front() is not None and os.environ.get(RESTARTED_ENV) == "1"
+def listens_once_started() -> bool:
+    """A front takes connections only once its backends have started (attached to the engine workers), or the
+    kernel would hand it clients it answers 503 while another front serves. All but the first start of front 0,
+    which listens at once, so that /health says what is loading."""
+    here = front()
+    return here is not None and (here[0] != 0 or os.environ.get(RESTARTED_ENV) == "1")
 
 
 def first_front() -> bool:

@@ -42,7 +42,7 @@ STORY = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "s
 @pytest.fixture(scope="module")
 def fronts_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with running_gateway(FRONTS_CONFIG, tmp_path_factory.mktemp("fronts")) as url:
-        wait_until(lambda: len(fronts(url)) == 2 and all(serving(url) for _ in range(4)), "both fronts serving")
+        wait_until(lambda: len(fronts(url)) == 2 and every_front_ready(url), "both fronts ready")
         yield url
 
 
@@ -231,7 +231,7 @@ def answers(url: str) -> bool:
 def test_sigterm_drains_every_front_and_leaves_no_process(tmp_path: Path) -> None:
     with running_gateway(FRONTS_CONFIG, tmp_path) as url:
         # both fronts attached to the engine worker: /health answers from one front, a request may reach the other
-        wait_until(lambda: len(fronts(url)) == 2 and all(serving(url) for _ in range(4)), "both fronts serving")
+        wait_until(lambda: len(fronts(url)) == 2 and every_front_ready(url), "both fronts ready")
         family = [supervisor(url), *supervisor(url).children(recursive=True)]
         lines: list[str] = []
         first_token = threading.Event()
@@ -267,6 +267,20 @@ def listening(front: psutil.Process, url: str) -> bool:
     return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in front.net_connections("tcp"))
 
 
+def every_front_ready(url: str) -> bool:
+    """Both fronts answered /health with 200 over fresh connections: each has its backends started (a front
+    listening may still be attaching to its engine workers, and answers 503 meanwhile)."""
+    ready: set[int] = set()
+    for _ in range(16):
+        with httpx.Client(timeout=CLIENT_TIMEOUT) as client:  # a new connection: either front takes it
+            response = client.get(f"{url}/health")
+            if response.status_code == 200:
+                ready.add(serving_front(url, response))
+        if len(ready) == 2:
+            return True
+    return False
+
+
 def serving_front(url: str, response: httpx.Response) -> int:
     """The pid of the front holding this response's connection."""
     client_port = response.extensions["network_stream"].get_extra_info("client_addr")[1]
@@ -281,9 +295,9 @@ def serving_front(url: str, response: httpx.Response) -> int:
 def test_prefix_routing_keeps_a_shared_prefix_on_one_replica_whichever_front_takes_it(tmp_path: Path) -> None:
     with running_gateway(POOL_CONFIG, tmp_path) as url:
         wait_until(lambda: len(fronts(url)) == 2 and len(engine_workers(url)) == 2, "two fronts, two replicas")
-        # both started (a front listens once its app, prefix feed included, is up): a choice published before
-        # the other front subscribed would be lost to it, as to a front that restarts (a cache miss)
-        wait_until(lambda: all(listening(p, url) for p in fronts(url)), "both fronts listening")
+        # both started (its app, prefix feed included, up): a choice published before the other front subscribed
+        # would be lost to it, as to a front that restarts (a cache miss)
+        wait_until(lambda: every_front_ready(url), "both fronts ready")
         served_by: list[int] = []
         # one request at a time, each on a new connection, until both fronts have taken some
         while len(served_by) < 8 or len(set(served_by)) < 2:
@@ -291,7 +305,7 @@ def test_prefix_routing_keeps_a_shared_prefix_on_one_replica_whichever_front_tak
             body = {"prompt": f"{SHARED_PREFIX} Question {len(served_by)}:", "max_tokens": 2, "stream": True}
             with httpx.Client() as client, client.stream("POST", f"{url}/v1/completions", json=body,
                                                          headers=HEADERS, timeout=CLIENT_TIMEOUT) as r:
-                assert r.status_code == 200
+                assert r.status_code == 200, r.read().decode()
                 served_by.append(serving_front(url, r))
                 assert [line for line in r.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
         choices = samples(url, "llmgw_balancer_choices_total")
@@ -314,8 +328,7 @@ def test_a_replica_one_front_ejects_is_ejected_on_every_front(tmp_path: Path) ->
                   f'endpoints = ["{flaky.url}", "{good.url}"]\nbalance = "round_robin"\nscrape_interval = 0\n'
                   f'eject_after_failures = 2\neject_cooldown = 600\n\n[models.m]\nbackend = "pool"\n')
         with running_gateway(config, tmp_path, timeout=180) as url:
-            wait_until(lambda: len(fronts(url)) == 2 and all(listening(p, url) for p in fronts(url)),
-                       "both fronts listening")
+            wait_until(lambda: len(fronts(url)) == 2 and every_front_ready(url), "both fronts ready")
 
             def ejections() -> float:
                 return total(url, "llmgw_replica_ejections_total", replica=flaky.url)
