@@ -45,7 +45,7 @@ from backends.http import (
     timed_events,
     trace_headers,
 )
-from backends.openai import _decode, relay_openai_stream
+from backends.openai_stream import decode_chunk, relay_openai_stream
 from backends.tool_calls import refuse_tools
 from backends.upstream_text import UpstreamText
 
@@ -147,7 +147,7 @@ class TgiBackend:
         text = UpstreamText(request.stop)
         async with open_stream(self.client, self.name, "/generate_stream", body, trace_headers(request)) as response:
             async for sse in timed_events(response, self.settings, self.name, started):
-                payload = _decode(sse.data, self.name)
+                payload = decode_chunk(sse.data, self.name)
                 if "error" in payload:
                     raise _tgi_error(payload, 424, self.name)
                 event = _token_event(payload.get("token") or {}, payload.get("top_tokens"))

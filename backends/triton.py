@@ -38,7 +38,7 @@ from backends.http import (
     timed_events,
     trace_headers,
 )
-from backends.openai import _decode
+from backends.openai_stream import decode_chunk
 from backends.tool_calls import refuse_tools
 from backends.upstream_text import UpstreamText
 
@@ -135,7 +135,7 @@ class TritonBackend:
         async with open_stream(self.client, self.name, f"{self.model_path}/generate_stream", self.body(request),
                                trace_headers(request)) as response:
             async for sse in timed_events(response, self.settings, self.name, started):
-                payload = _decode(sse.data, self.name)
+                payload = decode_chunk(sse.data, self.name)
                 if "error" in payload:  # an error inside a 200 stream
                     raise error_for_status(500, str(payload["error"]), self.name)
                 if held is not None:
