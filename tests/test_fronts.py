@@ -72,13 +72,6 @@ def _living(processes: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
-def serving(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 def samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
     text = httpx.get(f"{url}/metrics", timeout=CLIENT_TIMEOUT).text
     return [(s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples
