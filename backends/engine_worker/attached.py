@@ -40,7 +40,7 @@ class AttachedEngineWorker(EngineWorkerBackend):
             raise RuntimeError(f"{ATTACH_ENV} is set but the supervisor's run directory is not")
         while True:
             conn = Connection(self._context)
-            self._receive(conn)
+            self._inbox.listen(conn)
             try:
                 if await self._attach(conn, address):
                     break
@@ -73,17 +73,17 @@ class AttachedEngineWorker(EngineWorkerBackend):
                 async with asyncio.timeout(SILENT_AFTER):
                     await asyncio.shield(conn.ready)
                 return True
-            if time.monotonic() - max(sent_at, self._heard_at) > SILENT_AFTER:
+            if time.monotonic() - max(sent_at, self._inbox.heard_at) > SILENT_AFTER:
                 return False
 
     async def _wait_for_end(self, conn: Connection) -> str:
         """The supervisor restarts a worker that died or hung; this front sees its process gone."""
-        load = self._load
+        load = self._inbox.load
         pid = load.pid if load is not None else None
         while pid is None or process_alive(pid):
             await asyncio.sleep(GONE_POLL)
-            if pid is None and self._load is not None:
-                pid = self._load.pid
+            if pid is None and self._inbox.load is not None:
+                pid = self._inbox.load.pid
         return f"the worker process {pid} is gone"
 
     async def _stop_process(self, conn: Connection, kill: bool = False) -> None:

@@ -32,31 +32,24 @@ from backends.base import (
     GenerationRequest,
     TokenEvent,
     TokenSpan,
-    UpstreamError,
 )
 from backends.engine import EngineSettings
 from backends.engine_constraint import ENGINE_CONSTRAINT_KINDS
 from backends.engine_worker.connection import (
     Connection,
     attach_address,
-    backend_error,
     describe_exit,
     worker_threads,
 )
 from backends.engine_worker.figures import EngineFigures, engine_figures
+from backends.engine_worker.inbox import Inbox
 from backends.engine_worker.messages import (
     Abort,
     Call,
-    Failed,
-    FromWorker,
     Generate,
     Launch,
-    Load,
     Ready,
-    Reply,
     Shutdown,
-    StartFailed,
-    Tokens,
     WorkerLoad,
 )
 from engine_core.kv_transfer import remove_transfer
@@ -83,18 +76,13 @@ class EngineWorkerBackend:
         self.restarts = 0  # times the worker died and was started again
         self.last_exit: str | None = None  # how the last worker that died ended
         self.load_error: str | None = None
-        self.step_listeners: list[Callable[[EngineFigures], None]] = []  # called once per engine step
         self._info: BackendInfo | None = None
         self._dtype: tuple[str, str] | None = None
-        self._load: WorkerLoad | None = None
+        self._inbox = Inbox(name)
+        self.step_listeners: list[Callable[[EngineFigures], None]] = self._inbox.step_listeners  # once per step
         self._context = zmq.Context()  # the sockets from the workers: closed together at the end
         self._conn: Connection | None = None
-        self._streams: dict[int, asyncio.Queue[TokenEvent | BaseException]] = {}
-        self._calls: dict[int, tuple[asyncio.Future[Any], Any]] = {}
-        self._ids = itertools.count()
         self._supervisor: asyncio.Task[None] | None = None
-        self._heard_at = 0.0  # time.monotonic() of the worker's latest figures, here
-        self._adapters: dict[str, Any] | None = None  # as the worker last reported them
         self._loaded_at_runtime: dict[str, str] = {}  # LoRA adapters by name: path, loaded through load_adapter
 
     # lifecycle
@@ -113,7 +101,7 @@ class EngineWorkerBackend:
     async def _spawn(self) -> None:
         """Start a worker and wait until its engine is loaded; raise (with the worker's reason) if it is not."""
         conn = Connection(self._context)
-        self._receive(conn)
+        self._inbox.listen(conn)
         settings = msgspec.to_builtins(msgspec.structs.replace(self.settings, num_threads=self.threads))
         launch = Launch(name=self.name, settings=settings, to_worker=conn.to_worker, from_worker=conn.from_worker,
                         parent_pid=os.getpid(), attach=attach_address(self.name))
@@ -140,7 +128,7 @@ class EngineWorkerBackend:
         self._serving(ready)
 
     def _serving(self, ready: Ready) -> None:
-        self._info, self._dtype, self._load = ready.info, ready.dtype, ready.load
+        self._info, self._dtype, self._inbox.load = ready.info, ready.dtype, ready.load
         self.load_error = None
         log.info("backend %s: engine worker pid %d is serving", self.name, ready.load.pid)
 
@@ -156,10 +144,11 @@ class EngineWorkerBackend:
             self.last_exit = ended
             self.state = "restarting"
             log.error("backend %s: engine worker pid %s ended (%s); %d request(s) failed; restarting",
-                      self.name, self._load.pid if self._load else "?", self.last_exit, len(self._streams))
+                      self.name, self._inbox.load.pid if self._inbox.load else "?", self.last_exit,
+                      len(self._inbox.streams))
             self._conn = None
             conn.close()
-            self._fail_all(f"{self.name}: the engine worker ended ({self.last_exit}) and is restarting")
+            self._inbox.fail_all(f"{self.name}: the engine worker ended ({self.last_exit}) and is restarting")
             for attempt in itertools.count():
                 await asyncio.sleep(RESTART_BACKOFF[min(attempt, len(RESTART_BACKOFF) - 1)])
                 try:
@@ -179,8 +168,8 @@ class EngineWorkerBackend:
             done, _ = await asyncio.wait({exited}, timeout=HUNG_AFTER / 4)
             if done:
                 return describe_exit(exited.result())
-            load = self._load
-            if load is not None and time.monotonic() - self._heard_at > HUNG_AFTER:
+            load = self._inbox.load
+            if load is not None and time.monotonic() - self._inbox.heard_at > HUNG_AFTER:
                 log.error("backend %s: engine worker pid %d sent nothing for %.0f s; killing it", self.name,
                           conn.process.pid, HUNG_AFTER)
                 with contextlib.suppress(ProcessLookupError):
@@ -208,7 +197,7 @@ class EngineWorkerBackend:
         if conn is not None:
             await self._stop_process(conn)
             conn.close()
-        self._fail_all(f"{self.name}: the engine is shutting down")
+        self._inbox.fail_all(f"{self.name}: the engine is shutting down")
         self._context.destroy(linger=0)  # closes any socket a cancelled start left, never blocks
 
     # what the gateway reads
@@ -216,16 +205,16 @@ class EngineWorkerBackend:
     @property
     def pid(self) -> int | None:
         """The worker process serving now."""
-        load = self._load
+        load = self._inbox.load
         return load.pid if self._conn is not None and load is not None and self.state == "ready" else None
 
     def load(self) -> WorkerLoad | None:
         """The worker's latest figures (running, waiting, KV blocks, steps), or None before it reports."""
-        return self._load
+        return self._inbox.load
 
     def figures(self) -> EngineFigures | None:
         """The latest figures as the gateway's engine metrics read them; None until the engine is loaded."""
-        load = self._load  # a dead worker's last figures are no one's: none while it restarts
+        load = self._inbox.load  # a dead worker's last figures are no one's: none while it restarts
         return engine_figures(load) if load is not None and load.kv_blocks_total and self.state == "ready" else None
 
     def describe_state(self) -> str:
@@ -241,7 +230,7 @@ class EngineWorkerBackend:
         """What a starting engine is doing now (for /health), or None once it is up or has failed."""
         if self.state not in ("not started", "starting"):
             return None
-        load = self._load
+        load = self._inbox.load
         return load.startup_step if load is not None and load.startup_step else "starting the engine worker process"
 
     def dtype(self) -> tuple[str, str] | None:
@@ -252,7 +241,7 @@ class EngineWorkerBackend:
         return spec.describe() if spec is not None else None
 
     async def health(self) -> bool:
-        load = self._load
+        load = self._inbox.load
         return (self.state == "ready" and load is not None and load.ready
                 and time.monotonic() - load.sent_at < STALE_AFTER)
 
@@ -268,9 +257,9 @@ class EngineWorkerBackend:
         conn = self._conn
         if conn is None or self.state != "ready":
             raise BackendUnavailableError(self.load_error or f"{self.name}: the engine worker is {self.state}")
-        stream = next(self._ids)
+        stream = next(self._inbox.ids)
         events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        self._streams[stream] = events
+        self._inbox.streams[stream] = events
         finished = False
         try:
             try:
@@ -289,7 +278,7 @@ class EngineWorkerBackend:
                 if finished:
                     return
         finally:
-            self._streams.pop(stream, None)
+            self._inbox.streams.pop(stream, None)
             if not finished and conn.open:  # the consumer left: the worker frees the request's blocks at once
                 conn.send(Abort(stream))
 
@@ -301,14 +290,14 @@ class EngineWorkerBackend:
         return await self._call(self._conn, method, args, returns)
 
     async def _call(self, conn: Connection, method: str, args: tuple[Any, ...], returns: Any) -> Any:
-        call = next(self._ids)
+        call = next(self._inbox.ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._calls[call] = (future, returns)
+        self._inbox.calls[call] = (future, returns)
         try:
             conn.send(Call(call, method, list(args)))
             return await future
         finally:
-            self._calls.pop(call, None)
+            self._inbox.calls.pop(call, None)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
         return await self.call("tokenize", text, add_special_tokens, returns=list[TokenSpan])
@@ -336,8 +325,8 @@ class EngineWorkerBackend:
     def adapters(self) -> dict[str, Any]:
         """The worker's adapters as of its latest figures (refreshed before each call's reply); the
         configured ones until it reports."""
-        if self._adapters is not None:
-            return dict(self._adapters)
+        if self._inbox.adapters is not None:
+            return dict(self._inbox.adapters)
         return dict(getattr(self.settings, "lora_adapters", {}) or {})
 
     async def _reload_adapters(self) -> None:
@@ -348,73 +337,3 @@ class EngineWorkerBackend:
                 await self._call(self._conn, "load_adapter", (name, path), Any)
             except BackendError as exc:
                 log.error("backend %s: adapter %s not loaded again after the restart: %s", self.name, name, exc)
-
-    # the worker's messages
-
-    def _receive(self, conn: Connection) -> None:
-        decoder = msgspec.msgpack.Decoder(FromWorker)
-
-        def handle(data: zmq.Frame) -> None:
-            try:
-                self._dispatch(conn, decoder.decode(data))
-            except Exception:  # one bad message must not stop every stream's deliveries
-                log.exception("backend %s: engine worker message not handled", self.name)
-
-        conn.receive(handle)
-
-    def _dispatch(self, conn: Connection, message: FromWorker) -> None:
-        if isinstance(message, Tokens):
-            if message.load is not None:
-                self._loaded(message.load)
-            streams = self._streams
-            for emitted in message.events:
-                events = streams.get(emitted.stream)
-                if events is not None:
-                    events.put_nowait(emitted.event)
-        elif isinstance(message, Load):
-            self._loaded(message.load)
-        elif isinstance(message, Failed):
-            events = self._streams.get(message.stream)
-            if events is not None:
-                events.put_nowait(backend_error(message.kind, message.message, message.status, message.error_class))
-        elif isinstance(message, Reply):
-            self._replied(message)
-        elif isinstance(message, Ready):
-            self._loaded(message.load)
-            if not conn.ready.done():
-                conn.ready.set_result(message)
-        elif isinstance(message, StartFailed) and not conn.ready.done():
-            conn.ready.set_exception(RuntimeError(message.error))
-
-    def _loaded(self, load: WorkerLoad) -> None:
-        self._load = load
-        self._heard_at = time.monotonic()
-        if isinstance(load.adapters, dict):
-            self._adapters = load.adapters
-        if load.steps and self.step_listeners:
-            for step in load.steps:
-                figures = engine_figures(load, step)
-                for listener in self.step_listeners:
-                    listener(figures)
-
-    def _replied(self, reply: Reply) -> None:
-        pending = self._calls.get(reply.call)
-        if pending is None or pending[0].done():
-            return
-        future, returns = pending
-        if reply.error_kind is not None:
-            future.set_exception(backend_error(reply.error_kind, reply.error or reply.error_kind,
-                                               error_class=reply.error_class))
-            return
-        try:
-            future.set_result(msgspec.msgpack.decode(reply.result, type=returns))
-        except msgspec.ValidationError as exc:
-            future.set_exception(UpstreamError(f"{self.name}: the engine worker's reply: {exc}"))
-
-    def _fail_all(self, message: str) -> None:
-        """Every stream and call in flight ends with its own (typed) error: the worker will not answer them."""
-        for events in self._streams.values():
-            events.put_nowait(BackendUnavailableError(message))
-        for future, _ in self._calls.values():
-            if not future.done():
-                future.set_exception(BackendUnavailableError(message))
