@@ -1,0 +1,79 @@
+"""Whether the quantized linear kernel (`linear_quant_`) is bound by its arithmetic or by memory, per row count.
+
+One decode step's matmuls of SmolLM2-135M (fused q/k/v, o, fused gate/up and down in each of 30 layers) with
+random weights quantized at load (int8 per output channel, int4 in groups of 32), bf16 activations, timed two ways:
+- cached: one layer's four weights, again and again (they stay in L2/L3): the arithmetic's rate;
+- streamed: 30 layers' own weights, as a step reads them (the model's bytes, from memory).
+At one row a step that runs no faster cached than streamed is at its memory bound; the kernel's arithmetic only
+matters where cached runs well ahead of streamed. Prints GB/s of weights read and GMAC/s.
+
+    .venv/bin/python benchmarks/quant_kernel_rates.py --quantization int8 int4 --rows 1 4 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine_vs_vllm import describe_cpu  # noqa: E402
+from engine_core.cpu.kernels import cpu_kernels  # noqa: E402
+from engine_core.models.layers.quant import QuantizedTensor, quantize  # noqa: E402
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
+LAYERS = 30
+
+
+def step_time(kernels: object, layers: list[list[QuantizedTensor]], rows: int, repeats: int) -> float:
+    """Median seconds for one pass over `layers` at `rows` rows."""
+    xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in LAYER_SHAPES}}
+    outs = {n: torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in LAYER_SHAPES}
+
+    def one_pass() -> None:
+        for layer in layers:
+            for w, (n, k) in zip(layer, LAYER_SHAPES):
+                kernels.linear_quant_(outs[n], 0, xs[k], w.codes, w.scales, w.mins, w.bits, w.group, None)
+
+    one_pass()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        one_pass()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quantization", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise SystemExit("no compiled kernels on this machine")
+    print(describe_cpu(), f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    torch.manual_seed(0)
+    for scheme in args.quantization:
+        streamed = [[quantize(torch.randn(n, k) * 0.02, scheme) for n, k in LAYER_SHAPES] for _ in range(LAYERS)]
+        step_bytes = sum(w.nbytes for layer in streamed for w in layer)
+        macs = sum(n * k for n, k in LAYER_SHAPES) * LAYERS
+        for rows in args.rows:
+            # the cached pass runs one layer LAYERS times, so both passes do the same work
+            cached_time = step_time(kernels, [streamed[0]] * LAYERS, rows, args.repeats)
+            streamed_time = step_time(kernels, streamed, rows, args.repeats)
+            print(f"{scheme}, {rows:2d} rows: cached {1e3 * cached_time:.2f} ms "
+                  f"({step_bytes / cached_time / 1e9:.1f} GB/s, {rows * macs / cached_time / 1e9:.0f} GMAC/s), "
+                  f"streamed {1e3 * streamed_time:.2f} ms ({step_bytes / streamed_time / 1e9:.1f} GB/s, "
+                  f"{rows * macs / streamed_time / 1e9:.0f} GMAC/s); {step_bytes / 2**20:.0f} MiB a pass",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
