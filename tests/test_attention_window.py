@@ -183,3 +183,42 @@ def test_cpu_kernel_generic_head_size_takes_window_and_softcap(isa: str, dtype: 
         want = dense(q, k, v, scale, WINDOW, SOFTCAP)
         assert torch.allclose(out[start:start + m].double(), want, atol=tolerance(dtype)), m
         start += m
+
+
+SPANS = [600, 255, 1, 512, 513, 40, 1100, 9, 700]  # keys a row sees: the bf16 kernel splits more than 512
+
+
+@pytest.mark.parametrize("rows", [4, 9])  # fewer rows than 4 per thread: a task per KV head; more: whole rows
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (700, SOFTCAP)])  # 1,100 keys: a window of 2 spans
+def test_long_rows_in_key_spans_match_dense_attention_and_give_a_row_alone_its_bits(rows: int, window: int,
+                                                                                    softcap: float) -> None:
+    """The bf16 kernel splits a row of more than 512 keys into even spans (one long sequence keeps both threads
+    busy) and merges the spans' softmax partials: each row matches dense attention, window and cap included, and gets
+    exactly the output it gets alone, as a 1-row decode step, whatever else its step holds (exact speculation)."""
+    paged_decode = kernels_for("avx512_bf16").paged_decode
+    head_dim, scale, lens = 64, 64 ** -0.5, SPANS[:rows]
+    gen = torch.Generator().manual_seed(5)
+    blocks = sum(-(-n // BLOCK) for n in lens) + 1
+    k_cache = torch.full((blocks, BLOCK, KV_HEADS, head_dim), float("nan"), dtype=torch.bfloat16)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    order = torch.randperm(blocks, generator=gen).tolist()
+    tables, seqs = [], []
+    for n in lens:
+        table = [order.pop() for _ in range(-(-n // BLOCK))]
+        k = torch.randn(n, KV_HEADS, head_dim, generator=gen).to(torch.bfloat16)
+        v = torch.randn(n, KV_HEADS, head_dim, generator=gen).to(torch.bfloat16)
+        for pos in range(n):
+            k_cache[table[pos // BLOCK], pos % BLOCK] = k[pos]
+            v_cache[table[pos // BLOCK], pos % BLOCK] = v[pos]
+        tables.append(table)
+        seqs.append((k, v))
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [order[0]] * (width - len(t)) for t in tables])  # padding: the unowned block
+    q = (torch.randn(rows, HEADS, head_dim, generator=gen) * Q_GAIN).to(torch.bfloat16)
+    counts = torch.tensor(lens)
+    out = paged_decode(q, k_cache, v_cache, table, counts, scale, window, softcap)
+    for i, (k, v) in enumerate(seqs):
+        want = dense(q[i:i + 1], k, v, scale, window, softcap)
+        assert torch.allclose(out[i:i + 1].double(), want, atol=tolerance(torch.bfloat16)), lens[i]
+        alone = paged_decode(q[i:i + 1], k_cache, v_cache, table[i:i + 1], counts[i:i + 1], scale, window, softcap)
+        assert torch.equal(alone[0], out[i]), lens[i]

@@ -2,11 +2,13 @@
 // cache (no gather, no padding), scores and softmax in fp32. A row sees the first key_count keys of its
 // sequence, or with a sliding window W only the last W of them (the only ones read, so a long sequence costs
 // W keys), and its scores may be soft-capped, cap * tanh(s / cap), before the softmax (Gemma 2).
-// Work is split over (row, KV head) pairs; each pair serves its group of query heads (GQA).
+// Work is split over (row, KV head) pairs; each pair serves its group of query heads (GQA). The bf16 path
+// (paged_decode_bf16.h) also splits a row's keys into spans, so that one long sequence uses every thread.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "paged_decode_avx2.h"
+#include "paged_decode_bf16.h"
 #include "paged_rows.h"
 #include "vec512.h"
 
@@ -23,26 +25,6 @@ namespace {
 using namespace llmgw_paged;
 
 #if defined(__AVX512F__)
-// In place: s[0:len] = softmax(s[0:len]), 16 at a time.
-inline void softmax16(float* s, int64_t len) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < len; t += 16)
-    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(len - t), s + t));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; t += 16) {
-    const __mmask16 k = tail_mask(len - t);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
-    _mm512_mask_storeu_ps(s + t, k, e);
-  }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (int64_t t = 0; t < len; t += 16) {
-    const __mmask16 k = tail_mask(len - t);
-    _mm512_mask_storeu_ps(s + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), inv));
-  }
-}
-
 // The same computation with AVX-512 registers: HD/16 vectors per row, group query rows.
 template <typename scalar_t, int HD>
 void decode_avx512(const Args<scalar_t>& a) {
@@ -93,134 +75,6 @@ void decode_avx512(const Args<scalar_t>& a) {
   });
 }
 
-#if defined(__AVX512BF16__)
-// r[j] = sum of the 16 lanes of v[j], for 16 vectors at once: a transpose-and-add tree (45 shuffles and
-// adds) instead of 16 horizontal reductions (~8 dependent ops each).
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0 0+2, v1 0+2, v0 1+3, v1 1+3]
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum for four vectors
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
-}
-
-inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
-
-template <int HINT>
-inline void prefetch_span(const at::BFloat16* p, int64_t elements) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t byte = 0; byte < elements * 2; byte += 64) _mm_prefetch(c + byte, static_cast<_mm_hint>(HINT));
-}
-
-// bf16 with AVX512-BF16, G query heads per KV head and head size HD, both fixed at compile time so that
-// the per-head accumulators live in registers. q·k takes bf16 pairs straight from the cache (vdpbf16ps,
-// exact products summed in fp32) for 16 keys at a time; p·v widens each bf16 vector into its even and
-// odd elements (one shift or mask each) and accumulates them apart, interleaving once at the end.
-//
-// Memory, not arithmetic, sets the pace once the cache outgrows the CPU's caches: its blocks lie
-// anywhere, so the hardware prefetcher cannot follow, and the kernel prefetches rows itself. A task
-// takes whole sequences when there are enough of them: a token's KV heads are one contiguous row, so
-// each block streams in once; few sequences are split by KV head to keep every thread busy.
-template <int G, int HD>
-void decode_bf16(const Args<at::BFloat16>& a) {
-  constexpr int C = HD / 32;  // 512-bit vectors of bf16 per row
-  const at::BFloat16 *q = a.q, *k_cache = a.k_cache, *v_cache = a.v_cache;
-  const int64_t num_kv_heads = a.num_kv_heads, num_heads = G * num_kv_heads;
-  const int64_t heads_per_task = a.rows >= 4 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
-  at::parallel_for(0, a.rows * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<int64_t> offsets;  // where each key's row starts
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t b = work / tasks_per_seq, first_head = (work % tasks_per_seq) * heads_per_task;
-      const int64_t len = key_offsets(a, b, first_head * HD, offsets);
-      const int64_t padded = (len + 15) / 16 * 16;
-      scores.resize(G * padded);
-      const __m512 vscale = _mm512_set1_ps(a.scale);
-      for (int64_t h = first_head; h < first_head + heads_per_task; ++h) {
-        const int64_t head_offset = (h - first_head) * HD;
-        const bool fetch = h == first_head;  // its prefetches cover every head of the task
-        __m512bh qv[G][C];
-        for (int g = 0; g < G; ++g)
-          for (int c = 0; c < C; ++c)
-            qv[g][c] = as_bh(_mm512_loadu_si512(q + (b * num_heads + h * G + g) * HD + c * 32));
-        for (int64_t t0 = 0; t0 < len; t0 += 16) {
-          if (fetch) {  // the next tile's keys; this tile's values, for p·v after the softmax
-            for (int64_t t = t0 + 16; t < std::min(t0 + 32, len); ++t)
-              prefetch_span<_MM_HINT_T0>(k_cache + offsets[t], heads_per_task * HD);
-            for (int64_t t = t0; t < std::min(t0 + 16, len); ++t)
-              prefetch_span<_MM_HINT_T1>(v_cache + offsets[t], heads_per_task * HD);
-          }
-          const at::BFloat16* rows[16];  // the tail of the last tile repeats a row
-          for (int j = 0; j < 16; ++j) rows[j] = k_cache + offsets[std::min(t0 + j, len - 1)] + head_offset;
-          for (int g = 0; g < G; ++g) {
-            __m512 dots[16];
-            for (int j = 0; j < 16; ++j) {
-              __m512 acc = _mm512_setzero_ps();
-              for (int c = 0; c < C; ++c)
-                acc = _mm512_dpbf16_ps(acc, qv[g][c], as_bh(_mm512_loadu_si512(rows[j] + c * 32)));
-              dots[j] = acc;
-            }
-            _mm512_storeu_ps(&scores[g * padded + t0], _mm512_mul_ps(sum_lanes16(dots), vscale));
-          }
-        }
-        for (int g = 0; g < G; ++g) {
-          softcap_scores(scores.data() + g * padded, len, a.softcap);
-          softmax16(scores.data() + g * padded, len);
-        }
-        __m512 even[G][C], odd[G][C];
-        for (int g = 0; g < G; ++g)
-          for (int c = 0; c < C; ++c) even[g][c] = odd[g][c] = _mm512_setzero_ps();
-        const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-        for (int64_t t = 0; t < len; ++t) {
-          const at::BFloat16* vrow = v_cache + offsets[t] + head_offset;
-          for (int c = 0; c < C; ++c) {
-            const __m512i x = _mm512_loadu_si512(vrow + c * 32);
-            const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));  // elements 0, 2, 4, ...
-            const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(x, high));  // elements 1, 3, 5, ...
-            for (int g = 0; g < G; ++g) {
-              const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
-              even[g][c] = _mm512_fmadd_ps(p, e, even[g][c]);
-              odd[g][c] = _mm512_fmadd_ps(p, o, odd[g][c]);
-            }
-          }
-        }
-        for (int g = 0; g < G; ++g) {
-          at::BFloat16* orow = a.out + (b * num_heads + h * G + g) * HD;
-          alignas(64) float e[16], o[16];
-          for (int c = 0; c < C; ++c) {
-            _mm512_store_ps(e, even[g][c]);
-            _mm512_store_ps(o, odd[g][c]);
-            for (int i = 0; i < 16; ++i) {
-              orow[c * 32 + 2 * i] = static_cast<at::BFloat16>(e[i]);
-              orow[c * 32 + 2 * i + 1] = static_cast<at::BFloat16>(o[i]);
-            }
-          }
-        }
-      }
-    }
-  });
-}
-
-// The bf16 kernel for this (group, head size), or nullptr when none is compiled for it.
-using Bf16Kernel = void (*)(const Args<at::BFloat16>&);
-template <int HD>
-Bf16Kernel bf16_kernel_for_group(int64_t group) {
-  switch (group) {
-    case 1: return decode_bf16<1, HD>;
-    case 2: return decode_bf16<2, HD>;
-    case 3: return decode_bf16<3, HD>;
-    case 4: return decode_bf16<4, HD>;
-    case 8: return decode_bf16<8, HD>;
-    default: return nullptr;
-  }
-}
-#endif
 #endif
 
 // The portable path (the AVX2 build's, the scalar build's, and any head size or dtype the others lack).

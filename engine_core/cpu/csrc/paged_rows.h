@@ -9,6 +9,7 @@
 #include <cmath>
 #include <math.h>
 #include <cstdint>
+#include <climits>
 #include <cstring>
 #include <vector>
 
@@ -39,24 +40,61 @@ struct Args {
   float softcap;  // 0: none
 };
 
+// How many keys row b attends to: its sequence's first key_count, or with a window only the last W of them.
+template <typename scalar_t>
+int64_t visible_keys(const Args<scalar_t>& a, int64_t b) {
+  const int64_t count = a.key_counts[b];
+  return a.window > 0 ? std::min(count, a.window) : count;
+}
+
 // Where each key row b attends to starts in the cache (in elements, plus head_offset), from one walk over
 // the blocks its window spans: the kernels then read its i-th key at cache + offsets[i]. Returns how many.
+// begin / end: only the visible keys [begin, end) (a span of them), offsets[0] being key `begin`'s.
 template <typename scalar_t>
-int64_t key_offsets(const Args<scalar_t>& a, int64_t b, int64_t head_offset, std::vector<int64_t>& offsets) {
+int64_t key_offsets(const Args<scalar_t>& a, int64_t b, int64_t head_offset, std::vector<int64_t>& offsets,
+                    int64_t begin = 0, int64_t end = INT64_MAX) {
   const int64_t count = a.key_counts[b];
-  const int64_t first = a.window > 0 ? std::max<int64_t>(0, count - a.window) : 0;
+  const int64_t first = count - visible_keys(a, b);
+  const int64_t lo = std::min(count, first + begin), hi = std::min(count, first + std::min(end, count));
   const int64_t* table = a.block_table + b * a.table_width;
   const int64_t token_stride = a.num_kv_heads * a.head_dim;
-  offsets.resize(count - first);
-  for (int64_t t = first; t < count;) {  // block by block: one table read per block, no division per key
-    const int64_t blk = t / a.block_size, end = std::min(count, (blk + 1) * a.block_size);
+  offsets.resize(hi - lo);
+  for (int64_t t = lo; t < hi;) {  // block by block: one table read per block, no division per key
+    const int64_t blk = t / a.block_size, stop = std::min(hi, (blk + 1) * a.block_size);
     const int64_t base = (table[blk] - blk) * a.block_size;  // key t's slot is base + t
-    for (; t < end; ++t) offsets[t - first] = (base + t) * token_stride + head_offset;
+    for (; t < stop; ++t) offsets[t - lo] = (base + t) * token_stride + head_offset;
   }
-  return count - first;
+  return hi - lo;
 }
 
 #if defined(__AVX512F__)
+// In place: s[0:len] = e^(s - max), 16 at a time. Returns their sum; `top` is the max.
+inline float exp_scores16(float* s, int64_t len, float& top) {
+  __m512 high = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < len; t += 16)
+    high = _mm512_max_ps(high, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(len - t), s + t));
+  top = _mm512_reduce_max_ps(high);
+  const __m512 m = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 k = tail_mask(len - t);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+    _mm512_mask_storeu_ps(s + t, k, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// In place: s[0:len] = softmax(s[0:len]), 16 at a time.
+inline void softmax16(float* s, int64_t len) {
+  float top;
+  const __m512 inv = _mm512_set1_ps(1.f / exp_scores16(s, len, top));
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 k = tail_mask(len - t);
+    _mm512_mask_storeu_ps(s + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), inv));
+  }
+}
+
 // In place: s[0:len] = cap * tanh(s[0:len] / cap), 16 at a time, with tanh(x) = 1 - 2 / (e^2x + 1). x is
 // clamped to +-9 (tanh(9) is 1 in fp32) so that e^2x stays finite: -ffast-math assumes no infinities.
 inline void softcap16(float* s, int64_t len, float cap) {
