@@ -23,11 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_vs_vllm import describe_cpu  # noqa: E402
+from benchmarks.linear_kernel import STEP_SHAPES  # noqa: E402
 from engine_core.cpu.kernels import cpu_kernels  # noqa: E402
 from engine_core.models.layers.quant import QuantizedTensor, quantize  # noqa: E402
 
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 LAYERS = 30
+LAYER_SHAPES = [shape for shape, count in STEP_SHAPES.items() if count == LAYERS]  # (out, in); not the LM head
 
 
 def step_time(kernels: object, layers: list[list[QuantizedTensor]], rows: int, repeats: int) -> float:
