@@ -173,12 +173,21 @@ void decode_bf16(const Args<at::BFloat16>& a) {
             }
           }
         }
+        // the sums leave their registers once, by constant indices: indexing the arrays in a loop kept them in
+        // memory, and GCC then stored all 2·G·C of them after every key (half the p·v loop's instructions)
+        alignas(64) float pv[G][C][2][16];
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) {
+            _mm512_store_ps(pv[g][c][0], even[g][c]);
+            _mm512_store_ps(pv[g][c][1], odd[g][c]);
+          }
         for (int g = 0; g < G; ++g) {
           at::BFloat16* orow = a.out + (b * num_heads + h * G + g) * HD;
-          alignas(64) float e[16], o[16];
           for (int c = 0; c < C; ++c) {
-            _mm512_store_ps(e, even[g][c]);
-            _mm512_store_ps(o, odd[g][c]);
+            const float* e = pv[g][c][0];
+            const float* o = pv[g][c][1];
             for (int i = 0; i < 16; ++i) {
               if (whole) {
                 orow[c * 32 + 2 * i] = static_cast<at::BFloat16>(e[i]);
