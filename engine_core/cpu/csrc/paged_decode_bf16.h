@@ -70,6 +70,48 @@ void merge_spans(const Args<at::BFloat16>& a, const std::vector<int64_t>& first_
   });
 }
 
+// How many 32-value columns of a head p·v sums at once: 2·G of them each keep an even and an odd sum, and
+// those must stay in registers (24 of the 32) for the loop over keys to be fmas only. SmolLM2 (G = 3, 64
+// values: 2 columns) takes them all at once; Gemma 3 270M (G = 4, 256 values: 8 columns), 2 at a time.
+template <int G, int C>
+constexpr int kPvColumns = [] {
+  int columns = 1;
+  while (columns * 2 <= C && columns * 2 * G <= 12) columns *= 2;
+  return columns;
+}();
+
+// p·v over a span's len keys for value columns [c0, c0 + CC) of G query heads (probabilities in scores[g · padded
+// + t]): pv[g][c][0] the sums of the even values, pv[g][c][1] the odd. Each sum is one fma chain over the keys
+// in order, whatever CC is.
+template <int G, int CC, int C>
+inline void pv_columns(const at::BFloat16* v_cache, const int64_t* offsets, int64_t head_offset, int64_t len,
+                       const float* scores, int64_t padded, int c0, float (*pv)[C][2][16]) {
+  __m512 even[G][CC], odd[G][CC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CC; ++c) even[g][c] = odd[g][c] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t t = 0; t < len; ++t) {
+    const at::BFloat16* vrow = v_cache + offsets[t] + head_offset + c0 * 32;
+    for (int c = 0; c < CC; ++c) {
+      const __m512i x = _mm512_loadu_si512(vrow + c * 32);
+      const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));  // elements 0, 2, 4, ...
+      const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(x, high));  // elements 1, 3, 5, ...
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+        even[g][c] = _mm512_fmadd_ps(p, e, even[g][c]);
+        odd[g][c] = _mm512_fmadd_ps(p, o, odd[g][c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < CC; ++c) {
+      _mm512_store_ps(pv[g][c0 + c][0], even[g][c]);
+      _mm512_store_ps(pv[g][c0 + c][1], odd[g][c]);
+    }
+}
+
 // bf16 with AVX512-BF16, G query heads per KV head and head size HD, both fixed at compile time so that
 // the per-head accumulators live in registers. q·k takes bf16 pairs straight from the cache (vdpbf16ps,
 // exact products summed in fp32) for 16 keys at a time; p·v widens each bf16 vector into its even and
@@ -156,33 +198,11 @@ void decode_bf16(const Args<at::BFloat16>& a) {
             partial[g][1] = exp_scores16(scores.data() + g * padded, len, partial[g][0]);
           }
         }
-        __m512 even[G][C], odd[G][C];
-        for (int g = 0; g < G; ++g)
-          for (int c = 0; c < C; ++c) even[g][c] = odd[g][c] = _mm512_setzero_ps();
-        const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-        for (int64_t t = 0; t < len; ++t) {
-          const at::BFloat16* vrow = v_cache + offsets[t] + head_offset;
-          for (int c = 0; c < C; ++c) {
-            const __m512i x = _mm512_loadu_si512(vrow + c * 32);
-            const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));  // elements 0, 2, 4, ...
-            const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(x, high));  // elements 1, 3, 5, ...
-            for (int g = 0; g < G; ++g) {
-              const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
-              even[g][c] = _mm512_fmadd_ps(p, e, even[g][c]);
-              odd[g][c] = _mm512_fmadd_ps(p, o, odd[g][c]);
-            }
-          }
-        }
-        // the sums leave their registers once, by constant indices: indexing the arrays in a loop kept them in
-        // memory, and GCC then stored all 2·G·C of them after every key (half the p·v loop's instructions)
+        // the sums leave their registers once per column block, by constant indices (indexing them in a loop kept
+        // them in memory, and GCC then stored all of them after every key)
         alignas(64) float pv[G][C][2][16];
-#pragma GCC unroll 8
-        for (int g = 0; g < G; ++g)
-#pragma GCC unroll 8
-          for (int c = 0; c < C; ++c) {
-            _mm512_store_ps(pv[g][c][0], even[g][c]);
-            _mm512_store_ps(pv[g][c][1], odd[g][c]);
-          }
+        for (int c0 = 0; c0 < C; c0 += kPvColumns<G, C>)
+          pv_columns<G, kPvColumns<G, C>, C>(v_cache, offsets.data(), head_offset, len, scores.data(), padded, c0, pv);
         for (int g = 0; g < G; ++g) {
           at::BFloat16* orow = a.out + (b * num_heads + h * G + g) * HD;
           for (int c = 0; c < C; ++c) {
