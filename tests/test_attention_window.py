@@ -222,3 +222,28 @@ def test_long_rows_in_key_spans_match_dense_attention_and_give_a_row_alone_its_b
         assert torch.allclose(out[i:i + 1].double(), want, atol=tolerance(torch.bfloat16)), lens[i]
         alone = paged_decode(q[i:i + 1], k_cache, v_cache, table[i:i + 1], counts[i:i + 1], scale, window, softcap)
         assert torch.equal(alone[0], out[i]), lens[i]
+
+
+@pytest.mark.parametrize(("group", "kv_heads", "head_dim"), [(3, 3, 64), (4, 1, 256)])  # SmolLM2, Gemma 3 270M
+@pytest.mark.parametrize("last", [40, 515, 1030])  # the pass's last key: one span, across 512, two spans at 1,024
+def test_a_verify_pass_scores_each_position_as_a_one_row_step_does(group: int, kv_heads: int, head_dim: int,
+                                                                    last: int) -> None:
+    """A speculative verify pass of 1 + 5 rows is one sequence's last six positions: each row must get, to the bit,
+    what a 1-row decode step at that position gets, or greedy output would change with drafts on. The rows straddle a
+    16-key tile and, at 515 keys, the 512 keys where a row starts to split into spans."""
+    paged_decode = kernels_for("avx512_bf16").paged_decode
+    rows, heads, scale = 6, group * kv_heads, head_dim ** -0.5
+    gen = torch.Generator().manual_seed(last)
+    blocks = -(-last // BLOCK)
+    k_cache = torch.randn(blocks + 1, BLOCK, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(blocks + 1, BLOCK, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    table = torch.randperm(blocks + 1, generator=gen)[:blocks].view(1, -1).expand(rows, -1).contiguous()
+    q = (torch.randn(rows, heads, head_dim, generator=gen) * Q_GAIN).to(torch.bfloat16)
+    counts = torch.arange(last - rows + 1, last + 1)
+    out = paged_decode(q, k_cache, v_cache, table, counts, scale, 0, 0.0)
+    k = torch.stack([k_cache[table[0, p // BLOCK], p % BLOCK] for p in range(last)])
+    v = torch.stack([v_cache[table[0, p // BLOCK], p % BLOCK] for p in range(last)])
+    assert torch.allclose(out.double(), dense(q, k, v, scale), atol=tolerance(torch.bfloat16))  # causal per row
+    for i in range(rows):
+        alone = paged_decode(q[i:i + 1], k_cache, v_cache, table[i:i + 1], counts[i:i + 1], scale, 0, 0.0)
+        assert torch.equal(alone[0], out[i]), f"position {int(counts[i])}"
