@@ -108,7 +108,8 @@ class ModelRunner:
         if self.graphs is not None and prepared.lora is None:  # graphs were captured without adapters
             hidden = self.graphs.forward(prepared.input_ids, prepared.positions, prepared.meta)
         if hidden is None:
-            hidden = self.model.forward(prepared.input_ids, prepared.positions, prepared.meta, prepared.lora)
+            hidden = self.model.forward(prepared.input_ids, prepared.positions, prepared.meta, prepared.lora,
+                                        exact=bool(prepared.verify_seqs))
         for index, (first, last) in prepared.prompt_rows.items():
             self._score_prompt(batch.seqs[index], self.model.compute_logits(hidden[first:last]))
         rows = prepared.sample_rows + prepared.verify_rows

@@ -12,7 +12,14 @@ import torch
 
 from engine_core.cpu.features import cpu_features
 from engine_core.gguf_blocks import DECODERS, decode
-from engine_core.models.layers.linear import QUANT_KERNEL_MAX_ROWS, QuantLinear, pack_blocks
+from engine_core.models.layers.linear import (
+    QUANT_KERNEL_MAX_ROWS,
+    ROUNDED_MIN_ROWS,
+    QuantLinear,
+    linear_kernels,
+    pack_blocks,
+    rounding_allowed,
+)
 from engine_core.models.layers.quant import (
     QuantizedTensor,
     pack_int4,
@@ -200,6 +207,38 @@ def test_quant_linear_over_mixed_parts_matches_the_dequantized_layer(rows: int, 
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, x.float() @ torch.cat([p.dequantize() for p in parts]).t(), rtol=1e-5,
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [ROUNDED_MIN_ROWS - 1, ROUNDED_MIN_ROWS, 12, QUANT_KERNEL_MAX_ROWS])
+def test_a_step_without_a_verify_pass_runs_scale_grouped_parts_as_a_prefill_does(rows: int) -> None:
+    """From ROUNDED_MIN_ROWS rows a step that speculates nothing may round 4-bit (and other scale-grouped) weights to
+    bf16 as a prefill does (linear_quant_rows_, faster there); a verify pass's rows keep the exact weights and each
+    gets what it gets alone, and one scale a row (int8) stays exact either way."""
+    kernels = kernels_for("avx512_bf16")
+    if linear_kernels(kernels) is None:
+        pytest.skip("AMX: the rows path is oneDNN's")
+    parts = [random_quantized(64, 576, 4, 32, True, 1), random_quantized(32, 576, 8, 576, False, 2)]  # Q4_1 | int8
+    layer = QuantLinear(parts, None, kernels, torch.bfloat16)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+
+    def by_kernel(kernel, part: int) -> torch.Tensor:
+        col0, codes, scales, mins, bits, group, bias = layer.part_args[part]
+        out = torch.empty(rows, codes.shape[0], dtype=torch.bfloat16)
+        kernel(out, 0, x, codes, scales, mins, bits, group, bias)
+        return out
+
+    exact = layer(x)
+    assert torch.equal(exact, torch.cat([layer(x[i:i + 1]) for i in range(rows)]))  # a verify pass's rows
+    with rounding_allowed(True):
+        rounded = layer(x)
+    four_bit = rounded[:, :64]
+    if rows < ROUNDED_MIN_ROWS:
+        assert torch.equal(rounded, exact)
+    else:
+        assert torch.equal(four_bit, by_kernel(kernels.linear_quant_rows_, 0))
+        assert not torch.equal(four_bit, exact[:, :64])
+    assert torch.equal(rounded[:, 64:], exact[:, 64:])  # int8, one scale a row
+    torch.testing.assert_close(four_bit.float(), exact[:, :64].float(), rtol=2 ** -6, atol=2e-2)
 
 
 def test_int8_quantizer_rounds_each_weight_to_its_channel_step() -> None:

@@ -19,6 +19,7 @@ from engine_core.lora.batch import LoraBatch
 from engine_core.models.args import ModelArgs
 from engine_core.models.layers.decoder_stack import build_decoder_stack, stack_serves
 from engine_core.models.layers.layer_ops import FusedLayerOps, TorchLayerOps
+from engine_core.models.layers.linear import rounding_allowed
 from engine_core.models.layers.quant import QuantizedTensor
 from engine_core.models.layers.rotary import RotaryEmbedding
 from engine_core.models.layers.weights import Weights
@@ -87,8 +88,10 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                lora: LoraBatch | None = None) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token; `lora` adds each row's adapter delta."""
+                lora: LoraBatch | None = None, exact: bool = True) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token; `lora` adds each row's adapter delta.
+        `exact`: the step holds a speculative verify pass, whose rows must each get what a 1-row step gets; a step
+        without one may run larger quantized matmuls as a prefill does (ROUNDED_MIN_ROWS)."""
         ops = self.ops
         ops.begin_step(positions)
         plan = self.attention.plan(meta, block_size=self.k_caches[0].shape[1])  # per step, not per layer
@@ -102,9 +105,11 @@ class DecoderModel:
         x = ops.norm(h, self.layers[0].input_norm)
         if stack_serves(self.stack, input_ids.numel(), plan, lora):
             return self.stack.forward(h, x, positions, self.k_caches, self.v_caches, plan.blocks, plan.key_counts,
-                                      meta.slot_mapping)[1]
-        for layer, k_cache, v_cache, next_norm in zip(self.layers, self.k_caches, self.v_caches, self._next_norms):
-            h, x = layer(h, x, next_norm, ops, self.attention, k_cache, v_cache, plan, lora)
+                                      meta.slot_mapping, exact)[1]
+        with rounding_allowed(not exact):
+            for layer, k_cache, v_cache, next_norm in zip(self.layers, self.k_caches, self.v_caches,
+                                                          self._next_norms):
+                h, x = layer(h, x, next_norm, ops, self.attention, k_cache, v_cache, plan, lora)
         return x
 
     @torch.inference_mode()

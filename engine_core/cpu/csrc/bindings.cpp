@@ -81,7 +81,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_packed", &StackProjection::set_packed, pybind11::arg("blocks"), pybind11::arg("bias"))
       .def("add_quant_part", &StackProjection::add_quant_part, pybind11::arg("col0"), pybind11::arg("codes"),
            pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bits"), pybind11::arg("group"),
-           pybind11::arg("bias"));
+           pybind11::arg("bias"))
+      .def("set_rounded_min_rows", &StackProjection::set_rounded_min_rows, pybind11::arg("rows"));
   pybind11::class_<DecoderStack>(m, "DecoderStack", pybind11::module_local(),
                                  "Llama-shaped fp32 or bf16 decoder layers run in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, bool>(), pybind11::arg("heads"),
@@ -92,7 +93,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("cos"), pybind11::arg("sin"),
            pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"))
       .def("set_final_norm", &DecoderStack::set_final_norm)
-      .def("forward", &DecoderStack::forward, "(h, x) after every layer; h is updated in place", release());
+      .def("forward", &DecoderStack::forward, "(h, x) after every layer; h is updated in place",
+           pybind11::arg("h"), pybind11::arg("x"), pybind11::arg("positions"), pybind11::arg("k_caches"),
+           pybind11::arg("v_caches"), pybind11::arg("block_table"), pybind11::arg("key_counts"),
+           pybind11::arg("slots"), pybind11::arg("exact") = true, release());
 #if defined(__AVX512BF16__)
   m.def("rms_norm", &rms_norm, "RMSNorm, with an optional residual add in place (bf16)", release());
   m.def("rotary_", &rotary_, "rotary embeddings in place, rotate-half layout (bf16)", release());

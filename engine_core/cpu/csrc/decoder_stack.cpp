@@ -12,6 +12,15 @@ at::Tensor silu_and_mul_f32(at::Tensor gate_up);
 at::Tensor gelu_tanh_and_mul_f32(at::Tensor gate_up);
 void linear_quant_(at::Tensor out, int64_t col0, at::Tensor x, at::Tensor codes, at::Tensor scales,
                    c10::optional<at::Tensor> mins, int64_t bits, int64_t group, c10::optional<at::Tensor> bias);
+#if defined(__AVX512BF16__)
+void linear_quant_rows_(at::Tensor out, int64_t col0, at::Tensor x, at::Tensor codes, at::Tensor scales,
+                        c10::optional<at::Tensor> mins, int64_t bits, int64_t group, c10::optional<at::Tensor> bias);
+#else  // Python sets no rounded rows where the build lacks it
+static void linear_quant_rows_(at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+                               int64_t, int64_t, c10::optional<at::Tensor>) {
+  TORCH_CHECK(false, "this kernel build has no linear_quant_rows_");
+}
+#endif
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                         at::Tensor key_counts, double scale, int64_t window, double softcap,
                         c10::optional<at::Tensor> k, c10::optional<at::Tensor> v, c10::optional<at::Tensor> slots);
@@ -51,11 +60,16 @@ void StackProjection::add_quant_part(int64_t col0, at::Tensor codes, at::Tensor 
   parts_.push_back({col0, std::move(codes), std::move(scales), std::move(mins), bits, group, std::move(bias)});
 }
 
-at::Tensor StackProjection::operator()(const at::Tensor& x) const {
+at::Tensor StackProjection::operator()(const at::Tensor& x, bool may_round) const {
   if (weight_.defined()) return at::linear(x, weight_, bias_);  // what F.linear runs
   if (packed_.defined()) return linear_bf16(x, packed_, out_features_, bias_, false);
   auto out = at::empty({x.size(0), out_features_}, x.options());  // QuantLinear's: the model's dtype
-  for (const QuantPart& p : parts_) linear_quant_(out, p.col0, x, p.codes, p.scales, p.mins, p.bits, p.group, p.bias);
+  const bool round = may_round && rounded_min_rows_ > 0 && x.size(0) >= rounded_min_rows_;
+  for (const QuantPart& p : parts_) {
+    // one scale a row (int8): its exact kernel is as fast as the rounded one, and stays
+    const auto matmul = round && p.group != x.size(1) ? linear_quant_rows_ : linear_quant_;
+    matmul(out, p.col0, x, p.codes, p.scales, p.mins, p.bits, p.group, p.bias);
+  }
   return out;
 }
 
@@ -78,9 +92,9 @@ at::Tensor DecoderStack::norm(const at::Tensor& residual, c10::optional<at::Tens
 at::Tensor DecoderStack::attention(const Layer& layer, const at::Tensor& x, const at::Tensor& positions,
                                    const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_table, const at::Tensor& key_counts,
-                                   const at::Tensor& slots) const {
+                                   const at::Tensor& slots, bool may_round) const {
   const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-  const at::Tensor qkv = layer.qkv(x);
+  const at::Tensor qkv = layer.qkv(x, may_round);
   at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({-1, heads_ + kv_heads_, head_dim_});
   if (layer.q_norm) {  // Qwen3: per-head RMSNorm before RoPE
     const at::Tensor q =
@@ -93,13 +107,14 @@ at::Tensor DecoderStack::attention(const Layer& layer, const at::Tensor& x, cons
   const at::Tensor v = qkv.slice(1, q_size + kv_size).view({-1, kv_heads_, head_dim_});
   const at::Tensor o = paged_decode(qk.slice(1, 0, heads_), k_cache, v_cache, block_table, key_counts, layer.scale,
                                     layer.window, layer.softcap, qk.slice(1, heads_), v, slots);
-  return layer.o(o.reshape({-1, q_size}));
+  return layer.o(o.reshape({-1, q_size}), may_round);
 }
 
 std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(at::Tensor h, at::Tensor x, at::Tensor positions,
                                                          std::vector<at::Tensor> k_caches,
                                                          std::vector<at::Tensor> v_caches, at::Tensor block_table,
-                                                         at::Tensor key_counts, at::Tensor slots) const {
+                                                         at::Tensor key_counts, at::Tensor slots,
+                                                         bool exact) const {
   TORCH_CHECK(final_norm_.defined(), "set_final_norm first");
   TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one cache per layer");
   // once per step rather than in every layer's attention call
@@ -108,12 +123,13 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(at::Tensor h, at::Tenso
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
     const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
-    const at::Tensor attn = attention(layer, x, positions, k_caches[i], v_caches[i], block_table, key_counts, slots);
+    const at::Tensor attn =
+        attention(layer, x, positions, k_caches[i], v_caches[i], block_table, key_counts, slots, !exact);
     x = norm(h, attn, layer.post_attention_norm);  // h += attn in place
-    const at::Tensor gate_up = layer.gate_up(x);
+    const at::Tensor gate_up = layer.gate_up(x, !exact);
     const at::Tensor act = bf16_ ? (gelu_ ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up))
                                  : (gelu_ ? gelu_tanh_and_mul_f32(gate_up) : silu_and_mul_f32(gate_up));
-    x = norm(h, layer.down(act), next_norm);
+    x = norm(h, layer.down(act, !exact), next_norm);
   }
   return {h, x};
 }

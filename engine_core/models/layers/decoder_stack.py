@@ -19,7 +19,7 @@ import torch
 
 from engine_core.attention.cpu_paged import CpuPagedAttention, RowPlan
 from engine_core.models.layers.layer_ops import FusedLayerOps
-from engine_core.models.layers.linear import QUANT_KERNEL_MAX_ROWS, Linear, QuantLinear
+from engine_core.models.layers.linear import QUANT_KERNEL_MAX_ROWS, ROUNDED_MIN_ROWS, Linear, QuantLinear
 from engine_core.models.layers.mlp import GatedMLP
 
 
@@ -30,6 +30,8 @@ def _projection(kernels: ModuleType, layer: Linear | QuantLinear, dtype: torch.d
             return None
         for col0, codes, scales, mins, bits, group, bias in layer.part_args:
             projection.add_quant_part(col0, codes, scales, mins, bits, group, bias)
+        if layer.rows_kernel is not None and dtype == torch.bfloat16:  # what a prefill of bf16 rows runs
+            projection.set_rounded_min_rows(ROUNDED_MIN_ROWS)
         return projection
     if layer.fp32_out:
         return None

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -96,6 +98,24 @@ class Linear:
 # Steps with more rows than this dequantize the weight and run the dtype's GEMM (AMX or AVX-512 for bf16):
 # from there the matmul is compute-bound and the dequantize is shared by all rows (benchmarks/linear_kernel.py)
 QUANT_KERNEL_MAX_ROWS = 16
+# From this many rows a step that holds no speculative verify pass runs the compiled decoder stack's scale-grouped
+# (4-bit, Q8_0-like) parts as a prefill does, weights rounded to bf16 a block at a time (linear_quant_rows_): all of
+# a layer's projections at 8 / 12 / 16 rows took 4.41 / 4.27 / 4.98 ms against the exact kernel's 4.94 / 6.50 /
+# 8.18 (Q4_1, Zen 4, docs/benchmarks.md). A verify pass keeps the exact kernel (a row's sums as a 1-row step's).
+ROUNDED_MIN_ROWS = 8
+_may_round = False  # set for a step by `rounding_allowed`
+
+
+@contextmanager
+def rounding_allowed(allowed: bool) -> Iterator[None]:
+    """The step being computed holds no verify pass: its quantized matmuls of ROUNDED_MIN_ROWS-16 rows may round.
+    One step runs at a time in an engine (as vLLM's forward context, it is the step's, not a layer's, setting)."""
+    global _may_round
+    previous, _may_round = _may_round, allowed
+    try:
+        yield
+    finally:
+        _may_round = previous
 # The AVX2 build's tile for 8+ rows reads weights widened once to fp32 (quant_tile_avx2.h) and beats the
 # dequantize + fp32 GEMM up to ~128 rows: all of a Q4_1 step's layer matmuls at 64 rows took 94 against 123 ms,
 # at 128 rows 192 against 199, at 256 rows 396 against 356 (AVX2 EPYC, 2026-12-06). fp32 activations only.
@@ -158,14 +178,18 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-        kernel = self.kernel
-        if x.shape[0] > QUANT_KERNEL_MAX_ROWS and self.rows_kernel is not None and x.dtype == torch.bfloat16:
+        kernel, rounded = self.kernel, None  # rounded: the kernel for the parts with scale groups
+        rows = x.shape[0]
+        if rows > QUANT_KERNEL_MAX_ROWS and self.rows_kernel is not None and x.dtype == torch.bfloat16:
             kernel = self.rows_kernel
-        elif kernel is None or x.shape[0] > (self.fp32_max_rows if x.dtype == torch.float32 else QUANT_KERNEL_MAX_ROWS):
+        elif _may_round and rows >= ROUNDED_MIN_ROWS and self.rows_kernel is not None and x.dtype == torch.bfloat16:
+            rounded = self.rows_kernel  # the compiled decoder stack's rule (StackProjection), to the bit
+        elif kernel is None or rows > (self.fp32_max_rows if x.dtype == torch.float32 else QUANT_KERNEL_MAX_ROWS):
             dtype = self.gemm_dtype
             out = F.linear(x.to(dtype), self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
             return out.to(self.dtype)
         out = torch.empty((x.shape[0], self.out_features), dtype=self.dtype)  # the kernel runs on the CPU only
         for col0, codes, scales, mins, bits, group, bias in self.part_args:
-            kernel(out, col0, x, codes, scales, mins, bits, group, bias)
+            matmul = rounded if rounded is not None and group != x.shape[1] else kernel
+            matmul(out, col0, x, codes, scales, mins, bits, group, bias)
         return out
