@@ -98,10 +98,15 @@ class Linear:
 # Steps with more rows than this dequantize the weight and run the dtype's GEMM (AMX or AVX-512 for bf16):
 # from there the matmul is compute-bound and the dequantize is shared by all rows (benchmarks/linear_kernel.py)
 QUANT_KERNEL_MAX_ROWS = 16
-# From this many rows a step that holds no speculative verify pass runs the compiled decoder stack's scale-grouped
-# (4-bit, Q8_0-like) parts as a prefill does, weights rounded to bf16 a block at a time (linear_quant_rows_): all of
-# a layer's projections at 8 / 12 / 16 rows took 4.41 / 4.27 / 4.98 ms against the exact kernel's 4.94 / 6.50 /
-# 8.18 (Q4_1, Zen 4, docs/benchmarks.md). A verify pass keeps the exact kernel (a row's sums as a 1-row step's).
+# The AVX2 build's tile for 8+ rows reads weights widened once to fp32 (quant_tile_avx2.h) and beats the
+# dequantize + fp32 GEMM up to ~128 rows: all of a Q4_1 step's layer matmuls at 64 rows took 94 against 123 ms,
+# at 128 rows 192 against 199, at 256 rows 396 against 356 (AVX2 EPYC, 2026-12-06). fp32 activations only.
+AVX2_FP32_QUANT_KERNEL_MAX_ROWS = 128
+# From this many rows a step that holds no speculative verify pass runs its scale-grouped quantized matmuls (4-bit,
+# Q8_0-like; QuantLinear and the compiled decoder stack's StackProjection alike) as a prefill does, the weights
+# rounded to bf16 a block at a time (linear_quant_rows_): all of a layer's projections at 8 / 12 / 16 rows took
+# 4.41 / 4.27 / 4.98 ms against the exact kernel's 4.94 / 6.50 / 8.18 (Q4_1, Zen 4, docs/benchmarks.md). A verify
+# pass keeps the exact kernel (a row's sums as a 1-row step's).
 ROUNDED_MIN_ROWS = 8
 _may_round = False  # set for a step by `rounding_allowed`
 
@@ -116,10 +121,6 @@ def rounding_allowed(allowed: bool) -> Iterator[None]:
         yield
     finally:
         _may_round = previous
-# The AVX2 build's tile for 8+ rows reads weights widened once to fp32 (quant_tile_avx2.h) and beats the
-# dequantize + fp32 GEMM up to ~128 rows: all of a Q4_1 step's layer matmuls at 64 rows took 94 against 123 ms,
-# at 128 rows 192 against 199, at 256 rows 396 against 356 (AVX2 EPYC, 2026-12-06). fp32 activations only.
-AVX2_FP32_QUANT_KERNEL_MAX_ROWS = 128
 
 
 class QuantLinear:
