@@ -7,7 +7,11 @@ random weights quantized at load (int8 per output channel, int4 in groups of 32)
 At one row a step that runs no faster cached than streamed is at its memory bound; the kernel's arithmetic only
 matters where cached runs well ahead of streamed. Prints GB/s of weights read and GMAC/s.
 
+With --against (another build's .so) the streamed pass runs on both builds in one process, alternating for
+--rounds rounds: this VM's speed drifts by tens of percent between runs, far more than most kernel changes.
+
     .venv/bin/python benchmarks/quant_kernel_rates.py --quantization int8 int4 --rows 1 4 16
+    .venv/bin/python benchmarks/quant_kernel_rates.py --rows 1 6 --against ~/.cache/torch_extensions/.../old.so
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.attention_spans import load_module  # noqa: E402
 from benchmarks.engine_vs_vllm import describe_cpu  # noqa: E402
 from benchmarks.linear_kernel import STEP_SHAPES  # noqa: E402
 from engine_core.cpu.kernels import cpu_kernels  # noqa: E402
@@ -55,6 +60,8 @@ def main() -> None:
     parser.add_argument("--quantization", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--against", type=Path, help="another build's .so, its streamed pass measured beside this one")
+    parser.add_argument("--rounds", type=int, default=8, help="with --against: alternating rounds")
     args = parser.parse_args()
     kernels = cpu_kernels()
     if kernels is None:
@@ -65,6 +72,9 @@ def main() -> None:
         streamed = [[quantize(torch.randn(n, k) * 0.02, scheme) for n, k in LAYER_SHAPES] for _ in range(LAYERS)]
         step_bytes = sum(w.nbytes for layer in streamed for w in layer)
         macs = sum(n * k for n, k in LAYER_SHAPES) * LAYERS
+        if args.against:
+            compare(kernels, load_module(args.against), streamed, args)
+            continue
         for rows in args.rows:
             # the cached pass runs one layer LAYERS times, so both passes do the same work
             cached_time = step_time(kernels, [streamed[0]] * LAYERS, rows, args.repeats)
@@ -74,6 +84,19 @@ def main() -> None:
                   f"streamed {1e3 * streamed_time:.2f} ms ({step_bytes / streamed_time / 1e9:.1f} GB/s, "
                   f"{rows * macs / streamed_time / 1e9:.0f} GMAC/s); {step_bytes / 2**20:.0f} MiB a pass",
                   flush=True)
+
+
+def compare(kernels: object, other: object, streamed: list[list[QuantizedTensor]], args: argparse.Namespace) -> None:
+    """The streamed pass on this build and on `other`, alternating, median of the rounds per row count."""
+    for rows in args.rows:
+        this_times, other_times = [], []
+        for i in range(args.rounds):
+            order = [(this_times, kernels), (other_times, other)]
+            for times, build in order if i % 2 == 0 else order[::-1]:
+                times.append(step_time(build, streamed, rows, args.repeats))
+        this_ms, other_ms = 1e3 * statistics.median(this_times), 1e3 * statistics.median(other_times)
+        print(f"{rows:2d} rows: this build {this_ms:.2f} ms, --against {other_ms:.2f} ms "
+              f"({other_ms / this_ms:.2f}x)", flush=True)
 
 
 if __name__ == "__main__":
