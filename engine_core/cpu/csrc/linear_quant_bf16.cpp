@@ -5,8 +5,11 @@
 // the mins' term over the activations' group sums, made once a call. Every product is exact and every sum fp32:
 // the weights exactly as the format defines them, nothing rounded to bf16, and a third of the instructions per
 // weight of widening each weight to fp32 and scaling it (4-bit codes: a broadcast load, a widen, a shift and a
-// table lookup per 32). A tile of kOut outputs keeps its sums for kRows rows in registers; with more rows its
-// codes are decoded once into an L1 buffer that each block of kRows rows then reads. 4-bit codes go two groups
+// table lookup per 32). A tile of kOut outputs keeps its sums for kRows rows in registers; with more rows, 8-bit
+// codes are decoded once into an L1 buffer that each block of kRows rows then reads, and 4-bit ones are decoded
+// again for each block (5 instructions per 64 weights and output, cheaper than the buffer's stores and loads: a
+// layer's 4-bit matmuls at 5 / 6 / 8 / 10 / 16 rows took 1.28x / 1.21x / 1.15x / 1.09x / 1.07x as long through the
+// buffer, Zen 4 EPYC, `benchmarks/quant_kernel_rates.py --against`; 8-bit ones gained nothing). 4-bit codes go two groups
 // at a time (tile_pairs): 32 bytes widened once give both groups' low codes and, shifted, their high codes,
 // against the activations permuted once a call to that order (pair_order); one fma applies both groups' scales.
 // That is 8 instructions per 64 weights and row instead of 12.
@@ -69,10 +72,9 @@ inline void add_mins(const QuantWeight& w, int64_t n0, const float* x_sums, __m5
   }
 }
 
-// Rows × Out sums of 4-bit codes, two groups (64 inputs) a step: `x` in pair_order for its first k_pairs inputs;
-// `decoded`: the tile's codes as decode_pairs left them, or nullptr to decode them here
+// Rows × Out sums of 4-bit codes, two groups (64 inputs) a step: `x` in pair_order for its first k_pairs inputs
 template <int Out, int Rows>
-void tile_pairs(const QuantWeight& w, int64_t n0, const uint16_t* decoded, const uint16_t* x, int64_t x_stride,
+void tile_pairs(const QuantWeight& w, int64_t n0, const uint16_t* x, int64_t x_stride,
                 int64_t k_pairs, int64_t k_total, const float* x_sums, float sums[kRows][kOut]) {
   const __m512i table = _mm512_loadu_si512(kNibbleBf16);
   const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -89,14 +91,9 @@ void tile_pairs(const QuantWeight& w, int64_t n0, const uint16_t* decoded, const
     }
     for (int j = 0; j < Out; ++j) {
       __m512bh low, high;
-      if (decoded) {
-        low = (__m512bh)_mm512_loadu_si512(decoded + j * k_total + k);
-        high = (__m512bh)_mm512_loadu_si512(decoded + j * k_total + k + 32);
-      } else {
-        const uint8_t* codes = w.codes + (n0 + j) * w.row_bytes + k / 2;
-        __builtin_prefetch(codes + ahead);
-        pair_codes(codes, table, low, high);
-      }
+      const uint8_t* codes = w.codes + (n0 + j) * w.row_bytes + k / 2;
+      __builtin_prefetch(codes + ahead);
+      pair_codes(codes, table, low, high);
       const __m512 s = pair_scales(w.scales + (n0 + j) * w.groups + k / 32, pair);
       for (int r = 0; r < Rows; ++r)
         acc[r][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), low, lo[r]), high, hi[r]),
@@ -107,8 +104,7 @@ void tile_pairs(const QuantWeight& w, int64_t n0, const uint16_t* decoded, const
     __m512bh xr[Rows];
     for (int r = 0; r < Rows; ++r) xr[r] = (__m512bh)_mm512_loadu_si512(x + r * x_stride + k);
     for (int j = 0; j < Out; ++j) {
-      const __m512bh c = decoded ? (__m512bh)_mm512_loadu_si512(decoded + j * k_total + k)
-                                 : (__m512bh)decode.bf16<4>(w.codes + (n0 + j) * w.row_bytes + k / 2);
+      const __m512bh c = (__m512bh)decode.bf16<4>(w.codes + (n0 + j) * w.row_bytes + k / 2);
       const __m512 s = _mm512_set1_ps(w.scales[(n0 + j) * w.groups + k / 32]);
       for (int r = 0; r < Rows; ++r)
         acc[r][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), c, xr[r]), s, acc[r][j]);
@@ -159,15 +155,16 @@ void tile(const QuantWeight& w, int64_t n0, const uint16_t* decoded, const uint1
   }
 }
 
+// `decoded`: an 8-bit tile's codes from decode_tile's buffer, or nullptr (4-bit tiles decode their own)
 template <int Bits, Group G, int Out>
 void tile_rows(int rows, const QuantWeight& w, int64_t n0, const uint16_t* decoded, const uint16_t* x,
                int64_t x_stride, int64_t k_pairs, int64_t k, const float* x_sums, float sums[kRows][kOut]) {
   if constexpr (Bits == 4) {
     switch (rows) {
-      case 1: return tile_pairs<Out, 1>(w, n0, decoded, x, x_stride, k_pairs, k, x_sums, sums);
-      case 2: return tile_pairs<Out, 2>(w, n0, decoded, x, x_stride, k_pairs, k, x_sums, sums);
-      case 3: return tile_pairs<Out, 3>(w, n0, decoded, x, x_stride, k_pairs, k, x_sums, sums);
-      default: return tile_pairs<Out, kRows>(w, n0, decoded, x, x_stride, k_pairs, k, x_sums, sums);
+      case 1: return tile_pairs<Out, 1>(w, n0, x, x_stride, k_pairs, k, x_sums, sums);
+      case 2: return tile_pairs<Out, 2>(w, n0, x, x_stride, k_pairs, k, x_sums, sums);
+      case 3: return tile_pairs<Out, 3>(w, n0, x, x_stride, k_pairs, k, x_sums, sums);
+      default: return tile_pairs<Out, kRows>(w, n0, x, x_stride, k_pairs, k, x_sums, sums);
     }
   } else {
     switch (rows) {
@@ -198,6 +195,7 @@ void pair_order(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t k, ui
   }
 }
 
+// a tile's 8-bit codes as bf16, [out, k_total], for its blocks of kRows rows to read
 template <int Bits>
 void decode_tile(const QuantWeight& w, int64_t n0, int out, int64_t k_total, uint16_t* buffer) {
   const CodeDecoder decode;
@@ -208,26 +206,6 @@ void decode_tile(const QuantWeight& w, int64_t n0, int out, int64_t k_total, uin
       __builtin_prefetch(codes + ahead);
       _mm512_storeu_si512(buffer + j * k_total + k, decode.bf16<Bits>(codes));
     }
-}
-
-// a tile's 4-bit codes as bf16 in tile_pairs' order: each 64 inputs' low then high codes, a last odd group as it is
-void decode_pairs(const QuantWeight& w, int64_t n0, int out, int64_t k_total, uint16_t* buffer) {
-  const __m512i table = _mm512_loadu_si512(kNibbleBf16);
-  const CodeDecoder decode;
-  const int64_t ahead = prefetch_distance(w);
-  for (int j = 0; j < out; ++j) {
-    const uint8_t* codes = w.codes + (n0 + j) * w.row_bytes;
-    uint16_t* row = buffer + j * k_total;
-    int64_t k = 0;
-    for (; k + 64 <= k_total; k += 64) {
-      __m512bh low, high;
-      __builtin_prefetch(codes + k / 2 + ahead);
-      pair_codes(codes + k / 2, table, low, high);
-      _mm512_storeu_si512(row + k, (__m512i)low);
-      _mm512_storeu_si512(row + k + 32, (__m512i)high);
-    }
-    if (k < k_total) _mm512_storeu_si512(row + k, decode.bf16<4>(codes + k / 2));
-  }
 }
 
 template <typename T>
@@ -262,7 +240,8 @@ void run_tiles(const QuantWeight& w, int bits, Group group, const uint16_t* x, i
   const int64_t tiles = (n + kOut - 1) / kOut;
   const int64_t grain = std::max<int64_t>(1, 16384 / (kOut * k));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<uint16_t> buffer(rows > kRows ? kOut * k : 0);
+    const bool buffered = bits == 8 && rows > kRows;  // see the top of this file
+    std::vector<uint16_t> buffer(buffered ? kOut * k : 0);
     float sums[kRows][kOut];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t first = t * kOut;
@@ -275,9 +254,8 @@ void run_tiles(const QuantWeight& w, int bits, Group group, const uint16_t* x, i
       const int out = n - first < kOut ? 1 : rows > kRows ? kOut : direct_out;
       for (int64_t n0 = first; n0 < std::min(first + kOut, n); n0 += out) {
         const uint16_t* decoded = nullptr;
-        if (rows > kRows) {
-          if (bits == 4) decode_pairs(w, n0, out, k, buffer.data());
-          else decode_tile<8>(w, n0, out, k, buffer.data());
+        if (buffered) {
+          decode_tile<8>(w, n0, out, k, buffer.data());
           decoded = buffer.data();
         }
         for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
