@@ -29,7 +29,7 @@ from backends.engine_constraint import ENGINE_CONSTRAINT_KINDS, structured_outpu
 from backends.pool.settings import PD_THRESHOLD_TOKENS  # one default for engine and vLLM pools
 from engine_core import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, RequestError, SamplingParams
 from engine_core import TokenLogprob as EngineLogprob
-from engine_core.kv_transfer import KvExport, KvHandle
+from engine_core.kv.transfer import KvExport, KvHandle
 from engine_core.lora import LoraError, LoraInUseError
 from engine_core.spec_decode import SpeculativeConfig
 from engine_core.startup import StartupProgress

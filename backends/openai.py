@@ -37,7 +37,9 @@ from backends.constraints import (
     trtllm_fields,
     vllm_fields,
 )
-from backends.http import (
+from backends.openai_stream import cached_tokens, chunk_events, decode_chunk, relay_openai_stream, stream_error
+from backends.tool_calls import ToolCallRelay, refuse_tools, tool_fields, wire_message
+from backends.upstream.http import (
     HttpSettings,
     answers_ok,
     drop_none,
@@ -49,8 +51,6 @@ from backends.http import (
     timed_events,
     trace_headers,
 )
-from backends.openai_stream import cached_tokens, chunk_events, decode_chunk, relay_openai_stream, stream_error
-from backends.tool_calls import ToolCallRelay, refuse_tools, tool_fields, wire_message
 
 log = logging.getLogger("llmgw")
 # per flavor: the constraint kinds it has a wire form for, and that form

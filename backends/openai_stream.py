@@ -11,10 +11,10 @@ from typing import Any
 import msgspec
 
 from backends.base import FinishReason, TokenEvent, TokenLogprob, UpstreamError, Usage
-from backends.http import drain, error_for_status
-from backends.sse import SSEEvent
 from backends.tool_calls import ToolCallRelay
-from backends.upstream_text import UpstreamText
+from backends.upstream.http import drain, error_for_status
+from backends.upstream.sse import SSEEvent
+from backends.upstream.text import UpstreamText
 
 
 async def relay_openai_stream(events: AsyncIterator[SSEEvent], backend: str, chat: bool,

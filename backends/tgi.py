@@ -33,7 +33,9 @@ from backends.base import (
     refuse_adapter,
 )
 from backends.constraints import TGI_KINDS, refuse_unenforceable, tgi_grammar
-from backends.http import (
+from backends.openai_stream import decode_chunk, relay_openai_stream
+from backends.tool_calls import refuse_tools
+from backends.upstream.http import (
     HttpSettings,
     answers_ok,
     drop_none,
@@ -45,9 +47,7 @@ from backends.http import (
     timed_events,
     trace_headers,
 )
-from backends.openai_stream import decode_chunk, relay_openai_stream
-from backends.tool_calls import refuse_tools
-from backends.upstream_text import UpstreamText
+from backends.upstream.text import UpstreamText
 
 _VALIDATION_PREFIX = "Input validation error: "
 

@@ -28,7 +28,9 @@ from backends.base import (
     Usage,
 )
 from backends.constraints import refuse_unenforceable
-from backends.http import (
+from backends.openai_stream import decode_chunk
+from backends.tool_calls import refuse_tools
+from backends.upstream.http import (
     HttpSettings,
     answers_ok,
     drop_none,
@@ -38,9 +40,7 @@ from backends.http import (
     timed_events,
     trace_headers,
 )
-from backends.openai_stream import decode_chunk
-from backends.tool_calls import refuse_tools
-from backends.upstream_text import UpstreamText
+from backends.upstream.text import UpstreamText
 
 
 class TritonSettings(HttpSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -76,7 +76,7 @@ def calibrate(lengths: list[int]) -> dict[int, dict[str, float]]:
     import torch
 
     from engine_core import EngineConfig, LLMEngine, SamplingParams
-    from engine_core.kv_transfer import KvHandle, export_kv, import_kv, remove_transfer
+    from engine_core.kv.transfer import KvHandle, export_kv, import_kv, remove_transfer
 
     torch.set_num_threads(1)
     engine = LLMEngine(EngineConfig(model="embedded", num_threads=1, kv_cache_bytes=512 * 2**20,

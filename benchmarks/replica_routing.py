@@ -5,7 +5,7 @@ holds about half of the workload's distinct prefixes, plus room for the requests
 one at a time: our gateway with an `openai` pool over both (`balance = "prefix"`, `"round_robin"`,
 `"least_load"`) and SGLang's router (`sglang-router`, `--policy cache_aware`, its CLI defaults). A front
 named `policy@N` is our gateway with `[server] workers = N`: N front processes on one port, each request on
-a new connection so that the kernel hands each to any front (gateway/front_feed.py shares their prefix
+a new connection so that the kernel hands each to any front (gateway/serving/front_feed.py shares their prefix
 choices). The replicas restart before each front, so every run starts with cold caches.
 
 Workloads (random-word text, as SGLang's generated-shared-prefix benchmark; the order is shuffled):

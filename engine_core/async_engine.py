@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine_core.engine import LLMEngine, RequestError
-from engine_core.kv_transfer import KvExport, KvHandle, remove_transfer
+from engine_core.kv.transfer import KvExport, KvHandle, remove_transfer
 from engine_core.outputs import RequestOutput
 from engine_core.sampling.params import SamplingParams
 

@@ -14,14 +14,14 @@ import torch
 
 from engine_core.attention import AttentionBackend, TorchReferenceAttention
 from engine_core.attention.cpu_paged import CpuPagedAttention, paged_decode_kernel
-from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
 from engine_core.cpu.features import cpu_features
 from engine_core.cpu.kernels import cpu_kernels, kernel_build
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.gguf_blocks import describe as describe_blocks
-from engine_core.kv_handover import KvHandovers
-from engine_core.kv_transfer import KvExport, KvHandle, layout_of
+from engine_core.kv.block_manager import BlockManager
+from engine_core.kv.handover import KvHandovers
+from engine_core.kv.transfer import KvExport, KvHandle, layout_of
 from engine_core.loader import (
     conversion_due,
     load_state_dict,
@@ -168,7 +168,7 @@ class LLMEngine(KvHandovers):
                     kv: KvExport | KvHandle | None = None) -> int:
         """Queue a request; returns its prompt length in tokens. Raises RequestError if it cannot run.
         `kv` (prefill/decode disaggregation): KvExport hands the request over after its first token;
-        KvHandle continues one handed over by another engine (kv_transfer.py)."""
+        KvHandle continues one handed over by another engine (kv/transfer.py)."""
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         try:

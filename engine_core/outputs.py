@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_core.kv_transfer import KvHandle, KvImported
+from engine_core.kv.transfer import KvHandle, KvImported
 from engine_core.sequence import TokenLogprob
 
 FINISH_LENGTH = "length"

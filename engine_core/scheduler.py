@@ -16,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine_core.block_manager import BlockManager
+from engine_core.kv.block_manager import BlockManager
 from engine_core.sequence import Sequence, SequenceStatus
 
 

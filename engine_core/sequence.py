@@ -11,7 +11,7 @@ import torch
 from engine_core.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine_core.kv_transfer import KvImported
+    from engine_core.kv.transfer import KvImported
     from engine_core.lora.adapter import LoraAdapter
     from engine_core.structured.matcher import GrammarState
 

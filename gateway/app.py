@@ -21,7 +21,6 @@ from backends.base import Backend
 from gateway import __version__, sse
 from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import GatewayError
-from gateway.fronts import LISTEN_WAIT, listens_once_started
 from gateway.generation import ClientGone
 from gateway.policy.guards import AuthMiddleware, ClientLimitsMiddleware
 from gateway.routes.admin import AdminController
@@ -33,6 +32,7 @@ from gateway.routes.openai import OpenAIController
 from gateway.routes.responses import ResponsesController
 from gateway.routes.rollouts_admin import RolloutsAdminController
 from gateway.routes.tgi import TgiController
+from gateway.serving.fronts import LISTEN_WAIT, listens_once_started
 from gateway.state import Gateway
 from gateway.telemetry.middleware import TelemetryMiddleware
 from gateway.telemetry.series import BackendSeries

@@ -20,8 +20,6 @@ from backends.base import Backend
 from backends.pool.build import make_backend
 from gateway.config import ConfigError, GatewayConfig, parse_config, primary_routes
 from gateway.errors import GatewayError
-from gateway.front_feed import front_feed
-from gateway.fronts import front
 from gateway.policy.accounts import Accounts
 from gateway.policy.auth import KeyRing
 from gateway.rollout.manager import RolloutManager
@@ -29,6 +27,8 @@ from gateway.routing.admission import Admission, ModelGate
 from gateway.routing.health import HealthTracker
 from gateway.routing.router import ModelRoute, Router
 from gateway.routing.shadow import ShadowRecorder
+from gateway.serving.front_feed import front_feed
+from gateway.serving.fronts import front
 from gateway.telemetry.backend_metrics import BackendTelemetry
 from gateway.telemetry.key_metrics import store_state
 from gateway.telemetry.metrics import GatewayMetrics

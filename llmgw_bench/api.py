@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from backends.sse import SSEParser
+from backends.upstream.sse import SSEParser
 from llmgw_bench.workload import Sample
 
 APIS = ("openai-chat", "openai-completions", "tgi")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_core.block_manager import BlockManager
+from engine_core.kv.block_manager import BlockManager
 from engine_core.sampling.params import SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.sequence import Sequence

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_core.kv_transfer import PREFIX, transfer_dir
+from engine_core.kv.transfer import PREFIX, transfer_dir
 from tests.server import CLIENT_TIMEOUT, ENGINE_CONFIG, running_gateway, wait_until
 from tests.test_engine_worker import engine_greedy as colocated  # one engine's answer: the reference
 from tests.test_engine_worker import sse_data

@@ -30,8 +30,8 @@ import pytest
 import tomlkit
 import yaml
 
-from gateway.cli import build_parser
 from gateway.cli import main as cli_main
+from gateway.cli.commands import build_parser
 from llmgw_bench.cli import build_compare_parser
 from llmgw_bench.cli import build_parser as build_bench_parser
 from tests.server import CLIENT_TIMEOUT, ROOT, running_gateway

@@ -170,7 +170,7 @@ def test_config_reference_cells_keep_their_columns(config_page: str) -> None:
 
 
 def _parsers() -> list[argparse.ArgumentParser]:
-    from gateway.cli import build_parser
+    from gateway.cli.commands import build_parser
     from llmgw_bench.cli import build_compare_parser
     from llmgw_bench.cli import build_parser as build_bench_parser
 
@@ -179,7 +179,7 @@ def _parsers() -> list[argparse.ArgumentParser]:
 
 
 def test_cli_reference_names_every_subcommand_and_option(cli_page: str) -> None:
-    from gateway.cli import build_parser
+    from gateway.cli.commands import build_parser
 
     names = [name for name, _, _ in cli_page_module.subcommands(build_parser())]
     assert {"serve", "check-config", "migration-report", "state", "keys", "rollout", "bench"} <= set(names)
@@ -195,7 +195,7 @@ def test_cli_reference_names_every_subcommand_and_option(cli_page: str) -> None:
 
 
 def test_main_parses_with_the_factored_parser() -> None:
-    from gateway.cli import build_parser
+    from gateway.cli.commands import build_parser
 
     args = build_parser().parse_args(["serve", "--port", "9000"])
     assert (args.command, args.port, args.config) == ("serve", 9000, "config.toml")

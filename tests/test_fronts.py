@@ -1,4 +1,4 @@
-"""`[server] workers = 2`: one port served by two front processes over one engine worker (gateway/fronts.py),
+"""`[server] workers = 2`: one port served by two front processes over one engine worker (gateway/serving/fronts.py),
 through real processes and the real model: the same greedy text as one process, one /metrics view of both
 fronts, a front killed with SIGKILL under load that fails only its own requests and comes back, an engine
 worker killed and restarted under every front, and a SIGTERM that drains and leaves no process."""

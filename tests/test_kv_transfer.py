@@ -1,4 +1,4 @@
-"""A prompt's KV handed from one engine to another (prefill/decode disaggregation, engine_core/kv_transfer.py):
+"""A prompt's KV handed from one engine to another (prefill/decode disaggregation, engine_core/kv/transfer.py):
 the decode engine goes on exactly as colocated serving would, and no block or file is left behind."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine_core import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from engine_core.kv_transfer import KvExport, KvHandle, transfer_path
+from engine_core.kv.transfer import KvExport, KvHandle, transfer_path
 
 PROMPTS = [
     "The capital of France is",
@@ -121,7 +121,7 @@ def test_missing_or_mismatched_kv_is_prefilled_locally_with_the_same_output(engi
 
 
 def test_an_unreleased_handover_frees_its_blocks_after_the_timeout(engines, monkeypatch):
-    import engine_core.kv_handover as engine_module
+    import engine_core.kv.handover as engine_module
 
     prefiller = engines[0]
     first, transfer_id = prefill(prefiller, PROMPTS[0], SamplingParams(max_new_tokens=8))

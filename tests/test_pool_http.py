@@ -316,7 +316,7 @@ async def test_a_reload_that_changes_a_pool_keeps_its_unchanged_replicas(monkeyp
 
 
 async def test_a_pool_told_of_a_failing_check_takes_the_replica_out_before_its_own_check() -> None:
-    """What the fronts of one gateway tell each other (gateway/front_feed.py carries HealthNews between them):
+    """What the fronts of one gateway tell each other (gateway/serving/front_feed.py carries HealthNews between them):
     a check that failed in one pool, then passed again, changes its twin at once, with no check of its own."""
     state = {"check_fails": False}
 

@@ -7,7 +7,7 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.sse import SSEParser, iter_sse
+from backends.upstream.sse import SSEParser, iter_sse
 
 STREAM = (b'data: {"a":1}\n\n'
           b": keep-alive\n\n"

@@ -52,7 +52,7 @@ from backends.engine_worker.messages import (
     Shutdown,
     WorkerLoad,
 )
-from engine_core.kv_transfer import remove_transfer
+from engine_core.kv.transfer import remove_transfer
 
 log = logging.getLogger("llmgw")
 STALE_AFTER = 30.0  # seconds without a heartbeat before health() says no (a step may take seconds; not 30)

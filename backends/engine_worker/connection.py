@@ -47,7 +47,7 @@ def worker_threads(replicas: int) -> int:
     return max(1, cores // max(1, replicas))
 
 
-RUN_DIR_ENV = "LLMGW_ENGINE_RUN_DIR"  # set by the front supervisor (gateway/fronts.py) for its engine workers
+RUN_DIR_ENV = "LLMGW_ENGINE_RUN_DIR"  # set by the front supervisor (gateway/serving/fronts.py) for its engine workers
 
 
 def attach_address(name: str) -> str | None:

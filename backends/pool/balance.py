@@ -134,7 +134,7 @@ class PrefixAware:
     def choose(self, candidates: Sequence[Replica], hashes: list[int]) -> Choice:
         choice = self._choose(candidates, hashes)
         self.index.insert(choice.replica.id, hashes)
-        for listener in self.listeners:  # the other fronts of this gateway learn it too (gateway/front_feed.py)
+        for listener in self.listeners:  # the other fronts of this gateway learn it too (gateway/serving/front_feed.py)
             listener(choice.replica.id, hashes)
         return choice
 

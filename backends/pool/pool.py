@@ -336,7 +336,7 @@ class PoolBackend:
             listener(news)
 
     def hear(self, news: HealthNews) -> None:
-        """What another front of this gateway saw of one of these replicas (gateway/front_feed.py)."""
+        """What another front of this gateway saw of one of these replicas (gateway/serving/front_feed.py)."""
         for replica in self.replicas:
             if replica.id == news.replica:
                 replica.hear(news, self.name)

@@ -18,7 +18,7 @@ log = logging.getLogger("llmgw")
 
 class HealthNews(msgspec.Struct, array_like=True, frozen=True):
     """A change of one replica's health that one front of the gateway saw, for its other fronts
-    (gateway/front_feed.py): an ejection it made after failures, or an active check that changed the state."""
+    (gateway/serving/front_feed.py): an ejection it made after failures, or an active check that changed the state."""
 
     replica: str
     ejected_for: float = 0.0  # seconds of the ejection; 0: not an ejection

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from engine_core.attention import AttentionBackend
-from engine_core.block_manager import BlockManager
+from engine_core.kv.block_manager import BlockManager
 from engine_core.loader import load_state_dict, load_tokenizer, resolve_model_dir
 from engine_core.model_runner import ModelRunner
 from engine_core.models.registry import build_model, load_model_args

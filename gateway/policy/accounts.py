@@ -11,10 +11,10 @@ import time
 from typing import Any
 
 from gateway.config import GatewayConfig
-from gateway.fronts import front_count
 from gateway.policy.auth import KeyRing
 from gateway.policy.quota import Quota
 from gateway.responses_store import MemoryResponses
+from gateway.serving.fronts import front_count
 from gateway.store.keys import StoredKey
 from gateway.store.limits import make_limiter
 from gateway.store.responses import PersistedResponses

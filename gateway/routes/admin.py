@@ -13,7 +13,7 @@ from litestar.params import Parameter
 
 from gateway.config import ConfigError, primary_routes
 from gateway.errors import GatewayError
-from gateway.fronts import front
+from gateway.serving.fronts import front
 from gateway.state import Gateway
 
 

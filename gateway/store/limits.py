@@ -114,7 +114,7 @@ class LocalLimiter:
     def __init__(self, reservation_ttl: float = 600.0, clock: Callable[[], float] = time.time,
                  share: float = 1.0) -> None:
         self.reservation_ttl = reservation_ttl
-        self.share = share  # one front of N without Redis enforces 1/N of every limit (gateway/fronts.py)
+        self.share = share  # one front of N without Redis enforces 1/N of every limit (gateway/serving/fronts.py)
         self._parts: dict[KeyLimits, KeyLimits] = {}
         self._clock = clock
         self._buckets: dict[tuple[str, str], _Bucket] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from gateway.fronts import first_front
+from gateway.serving.fronts import first_front
 from gateway.telemetry.metrics import GatewayMetrics, counter, engine_state, gauge
 
 if TYPE_CHECKING:

@@ -75,7 +75,7 @@ class GatewayMetrics:
         r.register(_StateCollector(self._state_sources))
         self._exported = r
         shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        if shared:  # one front of several (gateway/fronts.py): every front's series summed, this one's state
+        if shared:  # one front of several (gateway/serving/fronts.py): every front's series summed, this one's state
             self._exported = CollectorRegistry()
             MultiProcessCollector(self._exported, path=shared)
             self._exported.register(_StateCollector(self._state_sources))

@@ -40,8 +40,9 @@ def subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Arg
 
 def cli_parsers() -> list[tuple[str, argparse.ArgumentParser, str]]:
     """("llmgw", the top parser, its description), then each subcommand's. `llmgw bench` hands the rest of its
-    line to llmgw_bench's own parsers (gateway/cli.py main): those stand for it, and `bench compare` after it."""
-    from gateway.cli import build_parser
+    line to llmgw_bench's own parsers (gateway/cli/commands.py main): those stand for it, and `bench compare`
+    after it."""
+    from gateway.cli.commands import build_parser
     from llmgw_bench.cli import build_compare_parser
     from llmgw_bench.cli import build_parser as build_bench_parser
 
@@ -59,7 +60,7 @@ def cli_parsers() -> list[tuple[str, argparse.ArgumentParser, str]]:
 
 def cli_reference() -> str:
     lines = ["# CLI reference", "",
-             "Generated from the argparse parsers that `llmgw` runs (`gateway/cli.py` `build_parser`, and "
+             "Generated from the argparse parsers that `llmgw` runs (`gateway/cli/commands.py` `build_parser`, and "
              "`llmgw_bench/cli.py` for `llmgw bench`): each subcommand's help line and its `--help`.", ""]
     parsers = cli_parsers()
     lines += md.table(["Command", "What it does"], [[f"[`{name}`](#{md.slug(name)})", md.cell(help_line)]

@@ -321,7 +321,7 @@ def config_reference() -> str:
     lines = ["# Configuration reference", "",
              "Generated from the config types, so it cannot drift from the code: `gateway/config_tables.py` "
              "(`GatewayConfig` and its tables), `gateway/rollout/spec.py` (rollouts), each backend type's `Settings` "
-             "(`backends/engine.py`, `backends/http.py`, `backends/pool/settings.py`, `backends/openai.py`, "
+             "(`backends/engine.py`, `backends/upstream/http.py`, `backends/pool/settings.py`, `backends/openai.py`, "
              "`backends/tgi.py`, `backends/triton.py`, through `backends/registry.py`) and "
              "`engine_core/spec_decode/config.py`. Each description is the field's doc string; "
              "`llmgw check-config FILE` validates a file against the same types.", "",

@@ -22,8 +22,8 @@ from backends.base import (
     UpstreamError,
 )
 from backends.pool.settings import PoolFields
-from backends.sse import SSEEvent, iter_sse
-from backends.upstream_client import ConnectError, UpstreamClient
+from backends.upstream.client import ConnectError, UpstreamClient
+from backends.upstream.sse import SSEEvent, iter_sse
 
 
 class HttpSettings(PoolFields, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -60,7 +60,7 @@ class HttpSettings(PoolFields, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 def make_client(settings: HttpSettings) -> UpstreamClient:
-    """One pooled client per backend (or replica): aiohttp's pool, used directly (upstream_client.py)."""
+    """One pooled client per backend (or replica): aiohttp's pool, used directly (client.py)."""
     key = settings.resolved_api_key()
     return UpstreamClient(settings.base_url, {"Authorization": f"Bearer {key}"} if key else {},
                           settings.connect_timeout, settings.total_timeout, settings.max_connections)

@@ -31,7 +31,7 @@ import zmq.asyncio
 from backends.engine_worker.connection import RUN_DIR_ENV
 from backends.pool.balance import PrefixAware
 from backends.pool.replica import HealthNews
-from gateway.fronts import front
+from gateway.serving.fronts import front
 
 log = logging.getLogger("llmgw")
 

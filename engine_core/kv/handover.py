@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation inside the engine: handing a request over after its first token, and taking
-one over from another engine (the KV itself moves as kv_transfer.py says). A part of LLMEngine, kept apart."""
+one over from another engine (the KV itself moves as transfer.py says). A part of LLMEngine, kept apart."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine_core.kv_transfer import (
+from engine_core.kv.transfer import (
     KvHandle,
     KvImported,
     KvLayout,
@@ -21,7 +21,7 @@ from engine_core.kv_transfer import (
 from engine_core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from engine_core.block_manager import BlockManager
+    from engine_core.kv.block_manager import BlockManager
     from engine_core.model_runner import ModelRunner
     from engine_core.models.decoder import DecoderModel
     from engine_core.scheduler import Scheduler

@@ -7,12 +7,12 @@ import json
 import logging
 import sys
 
-from gateway.cli_admin import admin_request
-from gateway.cli_rollout import add_parsers as add_rollout_parsers
-from gateway.cli_state import add_parsers as add_state_parsers
+from gateway.cli.admin import admin_request
+from gateway.cli.migration_report import format_report
+from gateway.cli.rollout import add_parsers as add_rollout_parsers
+from gateway.cli.state import add_parsers as add_state_parsers
 from gateway.config import ConfigError, load_config
-from gateway.fronts import FrontSupervisor, front, resolved_workers, reuse_port_socket
-from gateway.migration_report import format_report
+from gateway.serving.fronts import FrontSupervisor, front, resolved_workers, reuse_port_socket
 from gateway.telemetry.logging import configure_logging
 
 
@@ -20,7 +20,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.draining_server import DrainingServer
+    from gateway.serving.draining_server import DrainingServer
 
     config = load_config(args.config)
     host = args.host or config.server.host

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from gateway.cli_admin import admin_request
+from gateway.cli.admin import admin_request
 from gateway.config import ConfigError, load_config
 
 

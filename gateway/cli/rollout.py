@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from gateway.cli_admin import admin_request
+from gateway.cli.admin import admin_request
 
 ACTIONS = ("pause", "resume", "promote", "abort", "step-back")
 
