@@ -61,6 +61,9 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """Sequences in one engine step at most."""
     max_num_batched_tokens: int = 2048
     """Tokens computed in one engine step at most (longer prefills are chunked)."""
+    long_prefill_token_threshold: int = 0
+    """vLLM's: above 0, one prompt gets at most this many tokens a step, so a long prompt's chunks leave room in
+    the budget for short prompts that arrive while it prefills (they start a step later, not after it); 0: off."""
     max_model_len: int | None = None
     """Context length; default: the model's max_position_embeddings."""
     enable_prefix_caching: bool = False
@@ -111,6 +114,8 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             raise ValueError("`replicas` > 1 runs worker processes: it needs workers = \"process\"")
         if not 0 <= self.prefill_replicas < self.replicas:
             raise ValueError("`prefill_replicas` must be >= 0 and leave at least one of the `replicas` to decode")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("`long_prefill_token_threshold` must be >= 0 (0: off)")
         if self.pd_threshold_tokens < 0 or self.prefill_timeout <= 0:
             raise ValueError("`pd_threshold_tokens` must be >= 0 and `prefill_timeout` > 0")
 
@@ -135,7 +140,9 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         return EngineConfig(model=self.model, dtype=self.dtype, quantization=self.quantization,
                             block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_mb * 1024**2, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            long_prefill_token_threshold=self.long_prefill_token_threshold,
+                            max_model_len=self.max_model_len,
                             enable_prefix_caching=self.enable_prefix_caching, num_threads=self.num_threads,
                             attention_backend=self.attention_backend, device=self.device,
                             cuda_graphs=self.cuda_graphs, lora_adapters=dict(self.lora_adapters),

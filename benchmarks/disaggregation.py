@@ -62,6 +62,7 @@ kv_cache_mb = 512
 enable_prefix_caching = true
 max_num_seqs = 32
 max_num_batched_tokens = {budget}
+long_prefill_token_threshold = {chunk_cap}
 [models.smollm2]
 backend = "local"
 max_input_tokens = 4000
@@ -239,6 +240,8 @@ def main() -> None:
     parser.add_argument("--chat-output", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="the engine's step budget (chunked prefill), in both modes")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="the engine's cap on one prompt's tokens a step, in both modes (0: off)")
     parser.add_argument("--threshold", type=int, default=256, help="pd_threshold_tokens of the disaggregated mode")
     parser.add_argument("--ttft-slo", type=float, default=2.0)
     parser.add_argument("--tpot-slo", type=float, default=0.1)
@@ -276,7 +279,8 @@ def main() -> None:
         port = free_port()
         config = args.out_dir / f"{mode}.toml"
         config.write_text(CONFIG.format(port=port, prefill=int(mode == "disaggregated"), threshold=args.threshold,
-                                        budget=args.max_num_batched_tokens))
+                                        budget=args.max_num_batched_tokens,
+                                        chunk_cap=args.long_prefill_token_threshold))
         url = f"http://127.0.0.1:{port}"
         with ExitStack() as stack:
             stack.enter_context(running_server(mode, [str(ROOT / ".venv/bin/llmgw"), "serve", "--config", str(config),
@@ -304,9 +308,14 @@ def main() -> None:
         h = d["handover"]
         count = h.get("llmgw_pd_kv_transfer_seconds_count", 0)
         if count:
-            from benchmarks.replica_routing import KV_BYTES_PER_TOKEN_BF16
+            import torch
 
-            tokens = h["llmgw_pd_kv_transfer_bytes_sum"] / KV_BYTES_PER_TOKEN_BF16
+            from benchmarks.replica_routing import KV_BYTES_PER_TOKEN_BF16
+            from engine_core import EngineConfig
+
+            # the KV is in the weights' dtype: bf16 where the CPU has it, fp32 on an AVX2-only CPU
+            element = torch.empty(0, dtype=EngineConfig().torch_dtype()).element_size()
+            tokens = h["llmgw_pd_kv_transfer_bytes_sum"] / (KV_BYTES_PER_TOKEN_BF16 // 2 * element)
             print(f"handover cost: {1e3 * h['llmgw_pd_kv_transfer_seconds_sum'] / tokens * 1000:.1f} ms and "
                   f"{h['llmgw_pd_kv_transfer_bytes_sum'] / tokens * 1000 / 2**20:.1f} MiB per 1,000 prompt tokens "
                   f"({count:.0f} handovers)")

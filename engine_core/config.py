@@ -28,6 +28,9 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # vLLM's: above 0, a prompt gets at most this many tokens a step, so a long prefill's chunks leave room in
+    # the budget for the prompts that arrive behind it (0: a chunk may take the whole budget)
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = False
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default

@@ -121,7 +121,8 @@ class LLMEngine(KvHandovers):
                            f"tokens, {num_blocks * block_bytes / 2**20:.0f} MiB")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   max(config.max_num_batched_tokens, 1), config.max_loras)
+                                   max(config.max_num_batched_tokens, 1), config.max_loras,
+                                   config.long_prefill_token_threshold)
         self.loras = LoraRegistry(self.model_args, config.max_loras, config.max_lora_rank, dtype, self.device,
                                   cpu_kernels() if self.device.type == "cpu" else None)
         if config.lora_adapters:

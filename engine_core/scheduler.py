@@ -5,6 +5,10 @@ KV for (its whole prompt, a chunk of it, or the one token sampled last step), ru
 first, then waiting ones in arrival order. When blocks run out the most recently admitted
 running sequence is preempted: its blocks are freed and it is recomputed later.
 
+`long_prefill_token_threshold` (vLLM's): above 0, no prompt is given more than that many tokens in one
+step, so a long prompt's chunk leaves budget for the prompts behind it instead of taking the whole step:
+a short prompt that arrives while a long one prefills starts in the next step, not after the long one.
+
 A decoding sequence with drafts (speculative decoding) is given its last token and its drafts, inside
 the same budget (vLLM's num_tokens_with_spec); drafts that do not fit the budget or the free blocks are
 cut, never a reason to preempt.
@@ -33,8 +37,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_loras: int = 1) -> None:
+                 max_loras: int = 1, long_prefill_token_threshold: int = 0) -> None:
         self.block_manager = block_manager
+        # a prompt's tokens in one step at most (0: the budget's): caps a long prefill's chunk, never a decode
+        self.token_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.max_loras = max_loras  # distinct LoRA adapters in one step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -66,6 +72,8 @@ class Scheduler:
                 continue
             lacking = seq.num_tokens - seq.num_computed_tokens
             num_new = min(lacking + len(seq.spec_token_ids), budget)
+            if lacking > self.token_cap:  # the next chunk of a long prompt
+                num_new = min(num_new, self.token_cap)
             if num_new > lacking and not self.block_manager.can_allocate(seq, num_new):
                 num_new = min(lacking, budget)
             drafts = seq.spec_token_ids[:max(0, num_new - lacking)]
@@ -93,7 +101,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             self.block_manager.match_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.token_cap)
             if not self.block_manager.can_allocate(seq, num_new):
                 # give back the cached blocks it matched (they stay cached, to match again next step): held by a
                 # sequence that waits, they could starve the ones ahead of it, which a preemption puts there, and
