@@ -129,6 +129,8 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         spec = self.speculative_config()
         if spec is not None:
             served += f"; speculative decoding {spec.describe()}"
+        if self.long_prefill_token_threshold:
+            served += f"; at most {self.long_prefill_token_threshold} tokens of a prompt a step"
         if self.prefill_replicas:
             return served + (f"; {self.replicas} worker processes: {self.prefill_replicas} prefill (balance prefix), "
                              f"{self.replicas - self.prefill_replicas} decode (balance least_load); prefill goes "

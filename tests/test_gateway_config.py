@@ -29,6 +29,7 @@ MODEL = '[models.m]\nbackend = "local"\n'
     ('default_model = "x"\n' + BACKEND + MODEL, "default_model: no model named 'x'"),
     (BACKEND, "models: at least one"),
     ("[backends.local\n", "not valid TOML"),
+    (BACKEND + "long_prefill_token_threshold = -1\n" + MODEL, "long_prefill_token_threshold` must be >= 0"),
 ])
 def test_bad_config_names_the_key_path(text: str, message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -47,6 +48,11 @@ def test_check_config_prints_what_it_serves_and_fails_cleanly(tmp_path: Path) ->
                              timeout=WAIT)
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert "backends.local.kv_cache_mb: Expected `int`, got `str`" in out.stderr
+
+
+def test_check_config_says_when_long_prompts_are_capped_a_step() -> None:
+    config = parse_config(BACKEND + "long_prefill_token_threshold = 256\n" + MODEL)
+    assert "at most 256 tokens of a prompt a step" in config.describe()
 
 
 POOLS = """
