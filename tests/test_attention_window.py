@@ -186,27 +186,31 @@ def test_cpu_kernel_generic_head_size_takes_window_and_softcap(isa: str, dtype: 
 
 
 SPANS = [600, 255, 1, 512, 513, 40, 1100, 9, 700]  # keys a row sees: the bf16 kernel splits more than 512
+# the kernels that split a row's keys into spans: bf16 (spans of up to 512 keys) and the AVX2 build's fp32 (up to
+# 64 KiB of a KV head's keys: 256 keys of 64 dimensions, 64 of 256)
+SPLITTING = [("avx512_bf16", torch.bfloat16), ("avx2", torch.float32)]
 
 
+@pytest.mark.parametrize(("isa", "dtype"), SPLITTING)
 @pytest.mark.parametrize("rows", [4, 9])  # fewer rows than 4 per thread: a task per KV head; more: whole rows
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (700, SOFTCAP)])  # 1,100 keys: a window of 2 spans
-def test_long_rows_in_key_spans_match_dense_attention_and_give_a_row_alone_its_bits(rows: int, window: int,
-                                                                                    softcap: float) -> None:
-    """The bf16 kernel splits a row of more than 512 keys into even spans (one long sequence keeps both threads
-    busy) and merges the spans' softmax partials: each row matches dense attention, window and cap included, and gets
+def test_long_rows_in_key_spans_match_dense_attention_and_give_a_row_alone_its_bits(
+        rows: int, window: int, softcap: float, isa: str, dtype: torch.dtype) -> None:
+    """The bf16 and AVX2 fp32 kernels split a long row's keys into even spans (one long sequence keeps both threads
+    busy) and merge the spans' softmax partials: each row matches dense attention, window and cap included, and gets
     exactly the output it gets alone, as a 1-row decode step, whatever else its step holds (exact speculation)."""
-    paged_decode = kernels_for("avx512_bf16").paged_decode
+    paged_decode = kernels_for(isa).paged_decode
     head_dim, scale, lens = 64, 64 ** -0.5, SPANS[:rows]
     gen = torch.Generator().manual_seed(5)
     blocks = sum(-(-n // BLOCK) for n in lens) + 1
-    k_cache = torch.full((blocks, BLOCK, KV_HEADS, head_dim), float("nan"), dtype=torch.bfloat16)
+    k_cache = torch.full((blocks, BLOCK, KV_HEADS, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     order = torch.randperm(blocks, generator=gen).tolist()
     tables, seqs = [], []
     for n in lens:
         table = [order.pop() for _ in range(-(-n // BLOCK))]
-        k = torch.randn(n, KV_HEADS, head_dim, generator=gen).to(torch.bfloat16)
-        v = torch.randn(n, KV_HEADS, head_dim, generator=gen).to(torch.bfloat16)
+        k = torch.randn(n, KV_HEADS, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, KV_HEADS, head_dim, generator=gen).to(dtype)
         for pos in range(n):
             k_cache[table[pos // BLOCK], pos % BLOCK] = k[pos]
             v_cache[table[pos // BLOCK], pos % BLOCK] = v[pos]
@@ -214,36 +218,38 @@ def test_long_rows_in_key_spans_match_dense_attention_and_give_a_row_alone_its_b
         seqs.append((k, v))
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [order[0]] * (width - len(t)) for t in tables])  # padding: the unowned block
-    q = (torch.randn(rows, HEADS, head_dim, generator=gen) * Q_GAIN).to(torch.bfloat16)
+    q = (torch.randn(rows, HEADS, head_dim, generator=gen) * Q_GAIN).to(dtype)
     counts = torch.tensor(lens)
     out = paged_decode(q, k_cache, v_cache, table, counts, scale, window, softcap)
     for i, (k, v) in enumerate(seqs):
         want = dense(q[i:i + 1], k, v, scale, window, softcap)
-        assert torch.allclose(out[i:i + 1].double(), want, atol=tolerance(torch.bfloat16)), lens[i]
+        assert torch.allclose(out[i:i + 1].double(), want, atol=tolerance(dtype)), lens[i]
         alone = paged_decode(q[i:i + 1], k_cache, v_cache, table[i:i + 1], counts[i:i + 1], scale, window, softcap)
         assert torch.equal(alone[0], out[i]), lens[i]
 
 
+@pytest.mark.parametrize(("isa", "dtype"), SPLITTING)
 @pytest.mark.parametrize(("group", "kv_heads", "head_dim"), [(3, 3, 64), (4, 1, 256)])  # SmolLM2, Gemma 3 270M
 @pytest.mark.parametrize("last", [40, 515, 1030])  # the pass's last key: one span, across 512, two spans at 1,024
 def test_a_verify_pass_scores_each_position_as_a_one_row_step_does(group: int, kv_heads: int, head_dim: int,
-                                                                    last: int) -> None:
+                                                                    last: int, isa: str, dtype: torch.dtype) -> None:
     """A speculative verify pass of 1 + 5 rows is one sequence's last six positions: each row must get, to the bit,
     what a 1-row decode step at that position gets, or greedy output would change with drafts on. The rows straddle a
-    16-key tile and, at 515 keys, the 512 keys where a row starts to split into spans."""
-    paged_decode = kernels_for("avx512_bf16").paged_decode
+    16-key tile and, at 515 keys, the 512 keys where a bf16 row starts to split into spans (fp32 rows split sooner:
+    the rows of 515 and 1,030 keys straddle a change in their span count)."""
+    paged_decode = kernels_for(isa).paged_decode
     rows, heads, scale = 6, group * kv_heads, head_dim ** -0.5
     gen = torch.Generator().manual_seed(last)
     blocks = -(-last // BLOCK)
-    k_cache = torch.randn(blocks + 1, BLOCK, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(blocks + 1, BLOCK, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    k_cache = torch.randn(blocks + 1, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks + 1, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
     table = torch.randperm(blocks + 1, generator=gen)[:blocks].view(1, -1).expand(rows, -1).contiguous()
-    q = (torch.randn(rows, heads, head_dim, generator=gen) * Q_GAIN).to(torch.bfloat16)
+    q = (torch.randn(rows, heads, head_dim, generator=gen) * Q_GAIN).to(dtype)
     counts = torch.arange(last - rows + 1, last + 1)
     out = paged_decode(q, k_cache, v_cache, table, counts, scale, 0, 0.0)
     k = torch.stack([k_cache[table[0, p // BLOCK], p % BLOCK] for p in range(last)])
     v = torch.stack([v_cache[table[0, p // BLOCK], p % BLOCK] for p in range(last)])
-    assert torch.allclose(out.double(), dense(q, k, v, scale), atol=tolerance(torch.bfloat16))  # causal per row
+    assert torch.allclose(out.double(), dense(q, k, v, scale), atol=tolerance(dtype))  # causal per row
     for i in range(rows):
         alone = paged_decode(q[i:i + 1], k_cache, v_cache, table[i:i + 1], counts[i:i + 1], scale, 0, 0.0)
         assert torch.equal(alone[0], out[i]), f"position {int(counts[i])}"
