@@ -56,31 +56,22 @@ void decode_avx2(const Args<float>& a) {
   constexpr int C = HD / 8;
   constexpr int64_t kSpanKeys = kSpanBytes / (4 * HD), kPartial = 2 + HD;
   const int64_t num_heads = a.num_heads, num_kv_heads = a.num_kv_heads, group = num_heads / num_kv_heads;
-  // row b's spans are first_span[b] .. first_span[b + 1], of span_keys[b] keys each (the last one fewer); a row of
-  // several keeps its partials from first_partial[b]
-  std::vector<int64_t> first_span(a.rows + 1, 0), first_partial(a.rows + 1, 0), span_keys(a.rows);
-  for (int64_t b = 0; b < a.rows; ++b) {
-    const int64_t keys = visible_keys(a, b), even = std::max<int64_t>(1, (keys + kSpanKeys - 1) / kSpanKeys);
-    span_keys[b] = even == 1 ? keys : ((keys + even - 1) / even + 7) / 8 * 8;
-    const int64_t spans = even == 1 ? 1 : (keys + span_keys[b] - 1) / span_keys[b];  // none left empty
-    first_span[b + 1] = first_span[b] + spans;
-    first_partial[b + 1] = first_partial[b] + (spans > 1 ? spans : 0);
-  }
+  const SpanPlan plan = plan_spans(a, kSpanKeys, 8);
   // a task per KV head only where there are too few spans to keep the threads busy: a token's KV heads are one
   // contiguous row, which a task of all of them streams in once (a head's result is the same either way)
-  const int64_t heads_per_task = first_span[a.rows] >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_task = plan.spans() >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_span = num_kv_heads / heads_per_task;
-  std::vector<float> partials(first_partial[a.rows] * num_heads * kPartial);
-  at::parallel_for(0, first_span[a.rows] * tasks_per_span, 1, [&](int64_t begin, int64_t end) {
+  std::vector<float> partials(plan.partial_spans() * num_heads * kPartial);
+  at::parallel_for(0, plan.spans() * tasks_per_span, 1, [&](int64_t begin, int64_t end) {
     const int64_t task_heads = heads_per_task * group;  // query heads a task serves
     std::vector<float> qf(task_heads * HD), pv(task_heads * HD), scores;
     std::vector<int64_t> offsets;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t span = work / tasks_per_span, first_head = (work % tasks_per_span) * heads_per_task;
-      const int64_t b = std::upper_bound(first_span.begin(), first_span.end(), span) - first_span.begin() - 1;
-      const int64_t s = span - first_span[b];
-      const bool whole = first_span[b + 1] - first_span[b] == 1;  // the row's keys are this one span
-      const int64_t len = key_offsets(a, b, first_head * HD, offsets, s * span_keys[b], (s + 1) * span_keys[b]);
+      const int64_t b = plan.row_of(span), s = span - plan.first_span[b];
+      const bool whole = plan.whole(b);  // the row's keys are this one span
+      const int64_t len =
+          key_offsets(a, b, first_head * HD, offsets, s * plan.span_keys[b], (s + 1) * plan.span_keys[b]);
       const float* q = a.q + (b * num_heads + first_head * group) * HD;  // the task's query heads, in order
       for (int64_t i = 0; i < task_heads * HD; ++i) qf[i] = q[i] * a.scale;
       scores.resize(task_heads * len);
@@ -112,7 +103,8 @@ void decode_avx2(const Args<float>& a) {
         softcap_scores(sc, len, a.softcap);
         if (whole) softmax_scores(sc, len);
         else {
-          float* partial = partials.data() + ((first_partial[b] + s) * num_heads + first_head * group + qh) * kPartial;
+          float* partial =
+              partials.data() + ((plan.first_partial[b] + s) * num_heads + first_head * group + qh) * kPartial;
           partial[1] = exp_scores(sc, len, partial[0]);
         }
       }
@@ -140,39 +132,12 @@ void decode_avx2(const Args<float>& a) {
       for (int64_t qh = 0; qh < task_heads; ++qh) {
         const int64_t head = first_head * group + qh;
         float* out = whole ? a.out + (b * num_heads + head) * HD
-                           : partials.data() + ((first_partial[b] + s) * num_heads + head) * kPartial + 2;
+                           : partials.data() + ((plan.first_partial[b] + s) * num_heads + head) * kPartial + 2;
         std::memcpy(out, pv.data() + qh * HD, HD * sizeof(float));
       }
     }
   });
-  if (first_partial[a.rows] == 0) return;
-  // rows of several spans: out = Σ_s e^(max_s - M) · pv_s / Σ_s e^(max_s - M) · sum_s, M the largest max
-  at::parallel_for(0, a.rows * num_heads, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> weight;
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t b = work / num_heads, head = work % num_heads;
-      const int64_t spans = first_span[b + 1] - first_span[b];
-      if (spans == 1) continue;  // written by its task
-      const float* part = partials.data() + (first_partial[b] * num_heads + head) * kPartial;
-      const int64_t stride = num_heads * kPartial;  // from one span's partial to the next's
-      float top = part[0];
-      for (int64_t i = 1; i < spans; ++i) top = std::max(top, part[i * stride]);
-      weight.resize(spans);
-      float total = 0.f;
-      for (int64_t i = 0; i < spans; ++i) {
-        weight[i] = std::exp(part[i * stride] - top);
-        total += weight[i] * part[i * stride + 1];
-      }
-      const __m256 inv = _mm256_set1_ps(1.f / total);
-      float* orow = a.out + (b * num_heads + head) * HD;
-      for (int64_t d = 0; d < HD; d += 8) {
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t i = 0; i < spans; ++i)
-          sum = _mm256_fmadd_ps(_mm256_set1_ps(weight[i]), _mm256_loadu_ps(part + i * stride + 2 + d), sum);
-        _mm256_storeu_ps(orow + d, _mm256_mul_ps(sum, inv));
-      }
-    }
-  });
+  if (plan.partial_spans() > 0) merge_spans<HD>(a, plan, partials);
 }
 #endif
 

@@ -36,40 +36,6 @@ inline void prefetch_span(const at::BFloat16* p, int64_t elements) {
   for (int64_t byte = 0; byte < elements * 2; byte += 64) _mm_prefetch(c + byte, static_cast<_mm_hint>(HINT));
 }
 
-// Rows of several key spans: out = Σ_s e^(max_s - M) · pv_s / Σ_s e^(max_s - M) · sum_s, M the largest max.
-template <int HD>
-void merge_spans(const Args<at::BFloat16>& a, const std::vector<int64_t>& first_span,
-                 const std::vector<int64_t>& first_partial, const std::vector<float>& partials) {
-  constexpr int64_t kPartial = 2 + HD;
-  const int64_t num_heads = a.num_heads;
-  at::parallel_for(0, a.rows * num_heads, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> weight;
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t b = work / num_heads, head = work % num_heads;
-      const int64_t spans = first_span[b + 1] - first_span[b];
-      if (spans == 1) continue;  // written by its task
-      const float* part = partials.data() + (first_partial[b] * num_heads + head) * kPartial;
-      const int64_t stride = num_heads * kPartial;  // from one span's partial to the next's
-      float top = part[0];
-      for (int64_t s = 1; s < spans; ++s) top = std::max(top, part[s * stride]);
-      weight.resize(spans);
-      float total = 0.f;
-      for (int64_t s = 0; s < spans; ++s) {
-        weight[s] = std::exp(part[s * stride] - top);
-        total += weight[s] * part[s * stride + 1];
-      }
-      const __m512 inv = _mm512_set1_ps(1.f / total);
-      at::BFloat16* orow = a.out + (b * num_heads + head) * HD;
-      for (int64_t d = 0; d < HD; d += 16) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t s = 0; s < spans; ++s)
-          sum = _mm512_fmadd_ps(_mm512_set1_ps(weight[s]), _mm512_loadu_ps(part + s * stride + 2 + d), sum);
-        store16(orow + d, _mm512_mul_ps(sum, inv));
-      }
-    }
-  });
-}
-
 // How many 32-value columns of a head p·v sums at once: 2·G of them each keep an even and an odd sum, and
 // those must stay in registers (24 of the 32) for the loop over keys to be fmas only. SmolLM2 (G = 3, 64
 // values: 2 columns) takes them all at once; Gemma 3 270M (G = 4, 256 values: 8 columns), 2 at a time.
@@ -135,29 +101,20 @@ void decode_bf16(const Args<at::BFloat16>& a) {
   constexpr int64_t kPartial = 2 + HD;  // a span's max, sum and p·v for one query head
   const at::BFloat16 *q = a.q, *k_cache = a.k_cache, *v_cache = a.v_cache;
   const int64_t num_kv_heads = a.num_kv_heads, num_heads = G * num_kv_heads;
-  // row b's spans are first_span[b] .. first_span[b + 1]; a row of several keeps its partials from first_partial[b]
-  // and each of its spans is span_keys[b] keys (the last one fewer): as even as whole tiles of 16 allow
-  std::vector<int64_t> first_span(a.rows + 1, 0), first_partial(a.rows + 1, 0), span_keys(a.rows);
-  for (int64_t b = 0; b < a.rows; ++b) {
-    const int64_t keys = visible_keys(a, b), even = std::max<int64_t>(1, (keys + kKeySpan - 1) / kKeySpan);
-    span_keys[b] = even == 1 ? keys : ((keys + even - 1) / even + 15) / 16 * 16;
-    const int64_t spans = even == 1 ? 1 : (keys + span_keys[b] - 1) / span_keys[b];  // none left empty
-    first_span[b + 1] = first_span[b] + spans;
-    first_partial[b + 1] = first_partial[b] + (spans > 1 ? spans : 0);
-  }
+  const SpanPlan plan = plan_spans(a, kKeySpan, 16);
   // a task per KV head only where there are too few spans to keep the threads busy (a head's result is the same)
-  const int64_t heads_per_task = first_span[a.rows] >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_task = plan.spans() >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_span = num_kv_heads / heads_per_task;
-  std::vector<float> partials(first_partial[a.rows] * num_heads * kPartial);
-  at::parallel_for(0, first_span[a.rows] * tasks_per_span, 1, [&](int64_t begin, int64_t end) {
+  std::vector<float> partials(plan.partial_spans() * num_heads * kPartial);
+  at::parallel_for(0, plan.spans() * tasks_per_span, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> offsets;  // where each key's row starts
     for (int64_t work = begin; work < end; ++work) {
       const int64_t span = work / tasks_per_span, first_head = (work % tasks_per_span) * heads_per_task;
-      const int64_t b = std::upper_bound(first_span.begin(), first_span.end(), span) - first_span.begin() - 1;
-      const int64_t s = span - first_span[b];
-      const bool whole = first_span[b + 1] - first_span[b] == 1;  // the row's keys are this one span
-      const int64_t len = key_offsets(a, b, first_head * HD, offsets, s * span_keys[b], (s + 1) * span_keys[b]);
+      const int64_t b = plan.row_of(span), s = span - plan.first_span[b];
+      const bool whole = plan.whole(b);  // the row's keys are this one span
+      const int64_t len =
+          key_offsets(a, b, first_head * HD, offsets, s * plan.span_keys[b], (s + 1) * plan.span_keys[b]);
       const int64_t padded = (len + 15) / 16 * 16;
       scores.resize(G * padded);
       const __m512 vscale = _mm512_set1_ps(a.scale);
@@ -194,7 +151,7 @@ void decode_bf16(const Args<at::BFloat16>& a) {
           if (whole) {
             softmax16(scores.data() + g * padded, len);
           } else {
-            partial[g] = partials.data() + ((first_partial[b] + s) * num_heads + h * G + g) * kPartial;
+            partial[g] = partials.data() + ((plan.first_partial[b] + s) * num_heads + h * G + g) * kPartial;
             partial[g][1] = exp_scores16(scores.data() + g * padded, len, partial[g][0]);
           }
         }
@@ -222,7 +179,7 @@ void decode_bf16(const Args<at::BFloat16>& a) {
       }
     }
   });
-  if (first_partial[a.rows] > 0) merge_spans<HD>(a, first_span, first_partial, partials);
+  if (plan.partial_spans() > 0) merge_spans<HD>(a, plan, partials);
 }
 
 // The bf16 kernel for this (group, head size), or nullptr when none is compiled for it.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include "vec512.h"
 
@@ -65,6 +66,67 @@ int64_t key_offsets(const Args<scalar_t>& a, int64_t b, int64_t head_offset, std
     for (; t < stop; ++t) offsets[t - lo] = (base + t) * token_stride + head_offset;
   }
   return hi - lo;
+}
+
+// A step's rows with their keys in spans (the flash-decoding split): row b's spans are first_span[b] ..
+// first_span[b + 1], each span_keys[b] keys (the last one fewer), as even as whole tiles of `tile` keys allow; a
+// row of several keeps each span's max, sum and unnormalized p·v from partial first_partial[b]. Spans depend on
+// the key count alone, so a row gets the same result in a step of any row count (a verify pass scores a position
+// as a 1-row step does).
+struct SpanPlan {
+  std::vector<int64_t> first_span, first_partial, span_keys;
+  int64_t spans() const { return first_span.back(); }
+  int64_t partial_spans() const { return first_partial.back(); }
+  int64_t row_of(int64_t span) const {
+    return std::upper_bound(first_span.begin(), first_span.end(), span) - first_span.begin() - 1;
+  }
+  bool whole(int64_t b) const { return first_span[b + 1] - first_span[b] == 1; }  // one span: no partials
+};
+
+template <typename scalar_t>
+SpanPlan plan_spans(const Args<scalar_t>& a, int64_t max_keys, int64_t tile) {
+  SpanPlan plan{std::vector<int64_t>(a.rows + 1, 0), std::vector<int64_t>(a.rows + 1, 0), std::vector<int64_t>(a.rows)};
+  for (int64_t b = 0; b < a.rows; ++b) {
+    const int64_t keys = visible_keys(a, b), even = std::max<int64_t>(1, (keys + max_keys - 1) / max_keys);
+    plan.span_keys[b] = even == 1 ? keys : ((keys + even - 1) / even + tile - 1) / tile * tile;
+    const int64_t spans = even == 1 ? 1 : (keys + plan.span_keys[b] - 1) / plan.span_keys[b];  // none left empty
+    plan.first_span[b + 1] = plan.first_span[b] + spans;
+    plan.first_partial[b + 1] = plan.first_partial[b] + (spans > 1 ? spans : 0);
+  }
+  return plan;
+}
+
+// Rows of several spans: out = Σ_s e^(max_s - M) · pv_s / Σ_s e^(max_s - M) · sum_s, M the largest max.
+// `partials`: [partial span, query head, 2 + HD].
+template <int HD, typename scalar_t>
+void merge_spans(const Args<scalar_t>& a, const SpanPlan& plan, const std::vector<float>& partials) {
+  constexpr int64_t kPartial = 2 + HD;
+  const int64_t num_heads = a.num_heads;
+  at::parallel_for(0, a.rows * num_heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> weight;
+    float sum[HD];
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t b = work / num_heads, head = work % num_heads;
+      if (plan.whole(b)) continue;  // written by its task
+      const int64_t spans = plan.first_span[b + 1] - plan.first_span[b];
+      const float* part = partials.data() + (plan.first_partial[b] * num_heads + head) * kPartial;
+      const int64_t stride = num_heads * kPartial;  // from one span's partial to the next's
+      float top = part[0];
+      for (int64_t s = 1; s < spans; ++s) top = std::max(top, part[s * stride]);
+      weight.resize(spans);
+      float total = 0.f;
+      for (int64_t s = 0; s < spans; ++s) {
+        weight[s] = std::exp(part[s * stride] - top);
+        total += weight[s] * part[s * stride + 1];
+      }
+      std::fill(sum, sum + HD, 0.f);
+      for (int64_t s = 0; s < spans; ++s)
+        for (int64_t d = 0; d < HD; ++d) sum[d] = std::fma(weight[s], part[s * stride + 2 + d], sum[d]);
+      const float inv = 1.f / total;
+      scalar_t* orow = a.out + (b * num_heads + head) * HD;
+      for (int64_t d = 0; d < HD; ++d) orow[d] = static_cast<scalar_t>(sum[d] * inv);
+    }
+  });
 }
 
 #if defined(__AVX512F__)
