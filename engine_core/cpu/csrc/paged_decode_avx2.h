@@ -21,16 +21,6 @@ inline __m256 sum_lanes8x8(const __m256 d[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// In place: s[0:len] = e^(s - max), in loops the compiler vectorizes. Returns their sum; `top` is the max.
-inline float exp_scores(float* s, int64_t len, float& top) {
-  const float high = *std::max_element(s, s + len);  // a local: a store to s[t] could alias `top`, and the loop
-  float sum = 0.f;                                     // below then stayed scalar (expf a score at a time)
-  for (int64_t t = 0; t < len; ++t) s[t] = expf(s[t] - high);
-  for (int64_t t = 0; t < len; ++t) sum += s[t];
-  top = high;
-  return sum;
-}
-
 template <int HINT>
 inline void prefetch_floats(const float* p, int64_t count) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -57,9 +47,7 @@ void decode_avx2(const Args<float>& a) {
   constexpr int64_t kSpanKeys = kSpanBytes / (4 * HD), kPartial = 2 + HD;
   const int64_t num_heads = a.num_heads, num_kv_heads = a.num_kv_heads, group = num_heads / num_kv_heads;
   const SpanPlan plan = plan_spans(a, kSpanKeys, 8);
-  // a task per KV head only where there are too few spans to keep the threads busy: a token's KV heads are one
-  // contiguous row, which a task of all of them streams in once (a head's result is the same either way)
-  const int64_t heads_per_task = plan.spans() >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_task = plan.heads_per_task(num_kv_heads);
   const int64_t tasks_per_span = num_kv_heads / heads_per_task;
   std::vector<float> partials(plan.partial_spans() * num_heads * kPartial);
   at::parallel_for(0, plan.spans() * tasks_per_span, 1, [&](int64_t begin, int64_t end) {

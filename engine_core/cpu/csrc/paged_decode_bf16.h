@@ -102,8 +102,7 @@ void decode_bf16(const Args<at::BFloat16>& a) {
   const at::BFloat16 *q = a.q, *k_cache = a.k_cache, *v_cache = a.v_cache;
   const int64_t num_kv_heads = a.num_kv_heads, num_heads = G * num_kv_heads;
   const SpanPlan plan = plan_spans(a, kKeySpan, 16);
-  // a task per KV head only where there are too few spans to keep the threads busy (a head's result is the same)
-  const int64_t heads_per_task = plan.spans() >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_task = plan.heads_per_task(num_kv_heads);
   const int64_t tasks_per_span = num_kv_heads / heads_per_task;
   std::vector<float> partials(plan.partial_spans() * num_heads * kPartial);
   at::parallel_for(0, plan.spans() * tasks_per_span, 1, [&](int64_t begin, int64_t end) {

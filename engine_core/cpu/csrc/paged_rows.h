@@ -81,6 +81,11 @@ struct SpanPlan {
     return std::upper_bound(first_span.begin(), first_span.end(), span) - first_span.begin() - 1;
   }
   bool whole(int64_t b) const { return first_span[b + 1] - first_span[b] == 1; }  // one span: no partials
+  // KV heads a task takes: all of a span's where there are enough spans to keep the threads busy (a token's KV
+  // heads are one contiguous row, streamed in once), else one; a head's result is the same either way
+  int64_t heads_per_task(int64_t num_kv_heads) const {
+    return spans() >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  }
 };
 
 template <typename scalar_t>
@@ -182,13 +187,21 @@ inline void softcap_scores(float* s, int64_t len, float cap) {
 #endif
 }
 
-// In place: s[0:len] = softmax(s[0:len]), in loops the compiler vectorizes (expf through libmvec)
-inline void softmax_scores(float* s, int64_t len) {
-  const float top = *std::max_element(s, s + len);
-  for (int64_t t = 0; t < len; ++t) s[t] = expf(s[t] - top);
+// In place: s[0:len] = e^(s - max), in loops the compiler vectorizes (expf through libmvec). Returns their sum;
+// `top` is the max.
+inline float exp_scores(float* s, int64_t len, float& top) {
+  const float high = *std::max_element(s, s + len);  // a local: a store to s[t] could alias `top`, and the loop
+  for (int64_t t = 0; t < len; ++t) s[t] = expf(s[t] - high);  // then stayed scalar (expf a score at a time)
   float sum = 0.f;
   for (int64_t t = 0; t < len; ++t) sum += s[t];
-  const float inv = 1.f / sum;
+  top = high;
+  return sum;
+}
+
+// In place: s[0:len] = softmax(s[0:len])
+inline void softmax_scores(float* s, int64_t len) {
+  float top;
+  const float inv = 1.f / exp_scores(s, len, top);
   for (int64_t t = 0; t < len; ++t) s[t] *= inv;
 }
 
