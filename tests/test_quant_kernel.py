@@ -115,6 +115,25 @@ def test_a_bf16_row_gets_the_same_sums_in_every_decode_sized_step(bits: int, gro
     assert_rows_get_their_one_row_sums(sums, x)
 
 
+@pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
+def test_an_fp32_row_gets_its_one_row_sums_in_a_verify_sized_step_on_avx2(bits: int, group: int | None,
+                                                                          mins: bool) -> None:
+    """fp32 activations on the AVX2 build: steps of 2-7 rows (one request's verify pass, up to 6 drafts) run in
+    blocks of 2 rows whose tile gives each row its 1-row sums to the bit, so drafts do not move greedy output."""
+    kernels = kernels_for("avx2")
+    k, n = 576, 45
+    w = random_quantized(n, k, bits, group or k, mins, seed=13)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(n)
+
+    def sums(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        kernels.linear_quant_(out, 0, rows.contiguous(), w.codes, w.scales, w.mins, bits, group or k, bias)
+        return out
+
+    assert_rows_get_their_one_row_sums(sums, x)
+
+
 ROWS_SHAPES = [(17, 64, 16), (33, 576, 37), (100, 96, 130), (25, 1536, 64)]
 
 

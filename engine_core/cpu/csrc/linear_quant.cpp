@@ -25,7 +25,7 @@ using namespace llmgw_quant;
 template <int Bits, Group G, int Out, int Rows>
 void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, float sums[kRows][kOut]) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (Bits == 4 && Rows <= avx2::kFoldRowsQ4) avx2::tile_q4<Out, Rows>(w, n0, x, k_total, sums);
+  if constexpr (Bits == 4 && Rows <= avx2::kFoldRows) avx2::tile_q4<Out, Rows>(w, n0, x, k_total, sums);
   else avx2::tile<Bits, G, Out, Rows>(w, n0, x, k_total, sums);
 #else
   floats16 acc[Rows][Out] = {};
@@ -74,14 +74,18 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
         x_group_sums[r * w.groups + g] = sum;
       }
   }
+  // a step of few rows (a speculative verify pass) runs in blocks of the folded tiles' rows, which give each row its
+  // 1-row sums to the bit; each block after the first reads the tile's codes from L1. Against blocks of 4 widened
+  // rows its matmuls take 1.05-1.2x the time at 4-7 rows (docs/benchmarks.md, issue 32)
+  const int64_t row_block = rows < avx2::kWidenedMinRows ? avx2::kFoldRows : kRows;
   std::vector<float> x_q4;  // x as the 4-bit tile of few rows reads it (tile_q4), where a tile has few rows
-  if (const int64_t last = rows % kRows;
-      bits == 4 && last != 0 && (rows < avx2::kWidenedMinRows || last <= avx2::kFoldRows)) {
+  if (bits == 4 && (rows < avx2::kWidenedMinRows || rows % kRows != 0)) {
     x_q4.resize(rows * k);
     avx2::permute_x_q4(x, rows, k, x_q4.data());
   }
-  auto x_of_tile = [&](int r) { return bits == 4 && avx2::folds(bits, r) ? x_q4.data() : x; };
+  auto x_of_tile = [&](int r) { return bits == 4 && avx2::folds(r) ? x_q4.data() : x; };
 #else
+  constexpr int64_t row_block = kRows;
   auto x_of_tile = [&](int) { return x; };
 #endif
   auto one_tile = [&](int64_t n0, int out, int64_t r0, int r) {
@@ -96,7 +100,7 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
     else { LLMGW_TILE(8, kGroupRow) }
 #undef LLMGW_TILE
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    if (w.mins && avx2::folds(bits, r))
+    if (w.mins && avx2::folds(r))
       for (int i = 0; i < r; ++i)
         for (int j = 0; j < out; ++j)
           sums[i][j] += avx2::mins_term(w, n0 + j, x_group_sums.data() + (r0 + i) * w.groups);
@@ -107,9 +111,10 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
   };
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if (rows >= avx2::kWidenedMinRows) {
-    // blocks of kRows rows (and a last block of 3) read weights widened once per span of outputs; a last 1 or 2
-    // rows take the folded tile, as a step of that many rows does
-    const int64_t widened_rows = rows % kRows <= avx2::kFoldRows ? rows - rows % kRows : rows;
+    // blocks of kRows rows read weights widened once per span of outputs; a last 1-3 rows (kFoldRows) take the
+    // folded tile, as a step of that many rows does
+    static_assert(kRows - 1 <= avx2::kFoldRows);
+    const int64_t widened_rows = rows - rows % kRows;
     constexpr int64_t kSpan = 2 * avx2::kWidenedOut;
     const int64_t spans = (n + kSpan - 1) / kSpan;
     at::parallel_for(0, spans, std::max<int64_t>(1, 16384 / (kSpan * k)), [&](int64_t s0, int64_t s1) {
@@ -147,8 +152,8 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
       const int64_t n0 = t * kOut;
       const int out = n - n0 >= kOut ? kOut : 1;
       // the tile's weights stay in L1 for its rows after the first
-      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-        const int r = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
+      for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
+        const int r = static_cast<int>(std::min<int64_t>(row_block, rows - r0));
         if (out == kOut) {
           one_tile(n0, kOut, r0, r);
         } else {

@@ -112,13 +112,12 @@ inline void tile_from_widened(int out, int rows, const float* wf, const float* x
   else tile_from_widened<3>(rows, wf, x, k_total, sums);
 }
 
-// tiles of up to this many rows apply each scale once per group and leave the minimums' term to mins_term: 5
-// fewer vector ops per 32 weights for one row; more rows share one widening of the weights instead
-constexpr int kFoldRows = 2;
-// the 4-bit tile of few rows (tile_q4) serves up to this many: a Q4_1 step's matmuls at 3 rows 11-12 ms
-// against 13-14 in the widening tile; at 4 rows 17 against 15 (its one partial sum a row is a chain of 8 fmas)
-constexpr int kFoldRowsQ4 = 3;
-inline bool folds(int bits, int rows) { return rows <= (bits == 4 ? kFoldRowsQ4 : kFoldRows); }
+// Tiles of up to this many rows apply each scale once per group and leave the minimums' term to mins_term: 5
+// fewer vector ops per 32 weights for one row; more rows share one widening of the weights instead. Their arithmetic
+// per row is the same for 1, 2 or 3 rows, so a row's sums are its 1-row sums to the bit: a step of few rows (a
+// speculative verify pass) runs in blocks of this many, and drafts do not move greedy output.
+constexpr int kFoldRows = 3;
+inline bool folds(int rows) { return rows <= kFoldRows; }
 
 // Σ_g min[n, g] · (Σ of x over group g): the minimums' term of a folded tile's sum
 inline float mins_term(const QuantWeight& w, int64_t n, const float* x_group_sums) {
@@ -129,11 +128,11 @@ inline float mins_term(const QuantWeight& w, int64_t n, const float* x_group_sum
 }
 
 // Rows × Out sums: rows of x (fp32, k contiguous) against outputs n0 .. n0 + Out; without the minimums' term for
-// Rows <= kFoldRows. One row, and each output of 3-4 rows, keeps two accumulators, so that its fmas are not one
+// Rows <= kFoldRows. One row, and each output of 4 rows, keeps two accumulators, so that its fmas are not one
 // serial chain.
 template <int Bits, Group G, int Out, int Rows>
 void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, float sums[kRows][kOut]) {
-  if constexpr (Rows > kFoldRows && Out > 1) {
+  if constexpr (Rows > 2 && Out > 1) {
     // one output at a time, with two partial sums a row: with two outputs and one sum, GCC kept x's vectors for
     // both outputs and spilled the accumulators, a store and a load in every chain of 4 fmas (int8 at 4 rows:
     // 15.1 -> 11.5 ms for a step's matmuls on the AVX2 EPYC)
@@ -144,7 +143,8 @@ void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, flo
     }
     return;
   }
-  constexpr int kAcc = Rows == 1 || Rows > kFoldRows ? 2 : 1;
+  // a folded tile's groups of 16 keep their two halves' sums apart as one row does
+  constexpr int kAcc = Rows == 1 || Rows > kFoldRows || G == kGroup16 ? 2 : 1;
   __m256 acc[Rows][Out][kAcc];
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Out; ++j)
@@ -208,7 +208,15 @@ inline void permute_x_q4(const float* x, int64_t rows, int64_t k, float* out) {
 // Rows × Out sums over 4-bit codes without the minimums' term (mins_term), x from permute_x_q4
 template <int Out, int Rows>
 void tile_q4(const QuantWeight& w, int64_t n0, const float* xp, int64_t k_total, float sums[kRows][kOut]) {
-  constexpr int kPart = Rows <= 2 ? 2 : 1;  // partial sums a row and output: fewer serial fmas, within 16 registers
+  if constexpr (Rows > 2 && Out > 1) {  // two partial sums a row for 3 rows fit 16 registers for one output (4 spill)
+    for (int j = 0; j < Out; ++j) {
+      float one[kRows][kOut];
+      tile_q4<1, Rows>(w, n0 + j, xp, k_total, one);
+      for (int r = 0; r < Rows; ++r) sums[r][j] = one[r][0];
+    }
+    return;
+  }
+  constexpr int kPart = 2;  // partial sums a row and output: fewer serial fmas, and the same sums for 1-3 rows
   const int64_t k64 = k_total & ~int64_t{63};
   const __m256i group_of_lane = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
   __m256 acc[Rows][Out];
