@@ -12,6 +12,7 @@ With --against (another build's .so) the streamed pass runs on both builds in on
 
     .venv/bin/python benchmarks/quant_kernel_rates.py --quantization int8 int4 --rows 1 4 16
     .venv/bin/python benchmarks/quant_kernel_rates.py --rows 1 6 --against ~/.cache/torch_extensions/.../old.so
+    .venv/bin/python benchmarks/quant_kernel_rates.py --dtype float32 --quantization int4 --rows 3 6 --against ...
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ LAYERS = 30
 LAYER_SHAPES = [shape for shape, count in STEP_SHAPES.items() if count == LAYERS]  # (out, in); not the LM head
 
 
-def step_time(kernels: object, layers: list[list[QuantizedTensor]], rows: int, repeats: int) -> float:
-    """Median seconds for one pass over `layers` at `rows` rows."""
-    xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in LAYER_SHAPES}}
-    outs = {n: torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in LAYER_SHAPES}
+def step_time(kernels: object, layers: list[list[QuantizedTensor]], rows: int, repeats: int,
+              dtype: torch.dtype = torch.bfloat16) -> float:
+    """Median seconds for one pass over `layers` at `rows` rows, activations and outputs in `dtype`."""
+    xs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in LAYER_SHAPES}}
+    outs = {n: torch.empty(rows, n, dtype=dtype) for n, _ in LAYER_SHAPES}
 
     def one_pass() -> None:
         for layer in layers:
@@ -62,7 +64,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--against", type=Path, help="another build's .so, its streamed pass measured beside this one")
     parser.add_argument("--rounds", type=int, default=8, help="with --against: alternating rounds")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="activations: float32 is what an AVX2-only CPU's engine runs")
     args = parser.parse_args()
+    args.torch_dtype = getattr(torch, args.dtype)
     kernels = cpu_kernels()
     if kernels is None:
         raise SystemExit("no compiled kernels on this machine")
@@ -77,8 +82,8 @@ def main() -> None:
             continue
         for rows in args.rows:
             # the cached pass runs one layer LAYERS times, so both passes do the same work
-            cached_time = step_time(kernels, [streamed[0]] * LAYERS, rows, args.repeats)
-            streamed_time = step_time(kernels, streamed, rows, args.repeats)
+            cached_time = step_time(kernels, [streamed[0]] * LAYERS, rows, args.repeats, args.torch_dtype)
+            streamed_time = step_time(kernels, streamed, rows, args.repeats, args.torch_dtype)
             print(f"{scheme}, {rows:2d} rows: cached {1e3 * cached_time:.2f} ms "
                   f"({step_bytes / cached_time / 1e9:.1f} GB/s, {rows * macs / cached_time / 1e9:.0f} GMAC/s), "
                   f"streamed {1e3 * streamed_time:.2f} ms ({step_bytes / streamed_time / 1e9:.1f} GB/s, "
@@ -93,7 +98,7 @@ def compare(kernels: object, other: object, streamed: list[list[QuantizedTensor]
         for i in range(args.rounds):
             order = [(this_times, kernels), (other_times, other)]
             for times, build in order if i % 2 == 0 else order[::-1]:
-                times.append(step_time(build, streamed, rows, args.repeats))
+                times.append(step_time(build, streamed, rows, args.repeats, args.torch_dtype))
         this_ms, other_ms = 1e3 * statistics.median(this_times), 1e3 * statistics.median(other_times)
         print(f"{rows:2d} rows: this build {this_ms:.2f} ms, --against {other_ms:.2f} ms "
               f"({other_ms / this_ms:.2f}x)", flush=True)
