@@ -4,7 +4,9 @@ and the GGUF block decoders against gguf-py's own dequantization."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -71,6 +73,15 @@ def test_linear_quant_matches_the_dequantized_matmul(isa: str, bits: int, group:
     torch.testing.assert_close(out[:, 3:3 + n], want, rtol=1e-5, atol=1e-4)
 
 
+def fp32_sums(kernels: ModuleType, w: QuantizedTensor, bias: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A step of `linear_quant_` over some rows of x: their fp32 sums, before any rounding to bf16."""
+    def sums(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], w.codes.shape[0])
+        kernels.linear_quant_(out, 0, rows.contiguous(), w.codes, w.scales, w.mins, w.bits, w.group, bias)
+        return out
+    return sums
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
 def test_a_row_gets_the_same_fp32_sums_wherever_it_sits_in_a_big_step(isa: str, bits: int, group: int | None,
@@ -78,60 +89,28 @@ def test_a_row_gets_the_same_fp32_sums_wherever_it_sits_in_a_big_step(isa: str, 
     """Steps of 8 and more rows read weights widened once for all their rows (the AVX2 build), in blocks of 4 rows:
     a row's sums must not depend on the step's other rows or on its block, so a batch's logits do not move as
     requests join and leave it; and a 4-row step agrees within fp32 rounding."""
-    kernels = kernels_for(isa)
     k, n = 192, 45
-    w = random_quantized(n, k, bits, group or k, mins, seed=7)
+    sums = fp32_sums(kernels_for(isa), random_quantized(n, k, bits, group or k, mins, seed=7), torch.randn(n))
     x = torch.randn(12, k, generator=torch.Generator().manual_seed(3))
-    bias = torch.randn(n)
-
-    def sums(rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], n)
-        kernels.linear_quant_(out, 0, rows.contiguous(), w.codes, w.scales, w.mins, bits, group or k, bias)
-        return out
-
     eight, twelve = sums(x[:8]), sums(x[:12])
     assert torch.equal(twelve[:8], eight)
     assert torch.equal(sums(torch.cat([x[4:8], x[:4]])), torch.cat([eight[4:], eight[:4]]))
     torch.testing.assert_close(sums(x[4:8]), eight[4:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("isa", "dtype"), [("avx512_bf16", torch.bfloat16), ("avx2", torch.float32)])
 @pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
-def test_a_bf16_row_gets_the_same_sums_in_every_decode_sized_step(bits: int, group: int | None, mins: bool) -> None:
-    """bf16 activations on the AVX-512 BF16 build: a row's sums in a step of 2-16 rows are its sums in a 1-row
-    step, to the bit, so a speculative verify pass (1 + k rows) scores each position as a plain decode step does and
-    greedy output stays the same with drafts on. (With AMX, steps of more than 4 rows run on its tiles instead.)"""
-    kernels = kernels_for("avx512_bf16")
-    most = 4 if cpu_features().amx_bf16 else QUANT_KERNEL_MAX_ROWS
+def test_a_row_gets_its_one_row_sums_in_every_verify_sized_step(isa: str, dtype: torch.dtype, bits: int,
+                                                                group: int | None, mins: bool) -> None:
+    """A row's sums in a step of 2 to n rows are its sums in a 1-row step, to the bit, so a speculative verify pass
+    (1 + k rows) scores each position as a plain decode step does and greedy output stays the same with drafts on.
+    bf16 activations on the AVX-512 BF16 build: n = 16 (with AMX, steps of more than 4 rows run on its tiles
+    instead); fp32 activations on the AVX2 build: n = 7 (up to 6 drafts), in blocks of up to 3 rows."""
+    kernels = kernels_for(isa)
+    most = 7 if isa == "avx2" else 4 if cpu_features().amx_bf16 else QUANT_KERNEL_MAX_ROWS
     k, n = 576, 45
-    w = random_quantized(n, k, bits, group or k, mins, seed=11)
-    x = torch.randn(most, k, generator=torch.Generator().manual_seed(5)).bfloat16()
-    bias = torch.randn(n)
-
-    def sums(rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], n)  # the fp32 sums, before any rounding to bf16
-        kernels.linear_quant_(out, 0, rows.contiguous(), w.codes, w.scales, w.mins, bits, group or k, bias)
-        return out
-
-    assert_rows_get_their_one_row_sums(sums, x)
-
-
-@pytest.mark.parametrize(("bits", "group", "mins"), FORMATS)
-def test_an_fp32_row_gets_its_one_row_sums_in_a_verify_sized_step_on_avx2(bits: int, group: int | None,
-                                                                          mins: bool) -> None:
-    """fp32 activations on the AVX2 build: steps of 2-7 rows (one request's verify pass, up to 6 drafts) run in
-    blocks of 2 rows whose tile gives each row its 1-row sums to the bit, so drafts do not move greedy output."""
-    kernels = kernels_for("avx2")
-    k, n = 576, 45
-    w = random_quantized(n, k, bits, group or k, mins, seed=13)
-    x = torch.randn(7, k, generator=torch.Generator().manual_seed(6))
-    bias = torch.randn(n)
-
-    def sums(rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], n)
-        kernels.linear_quant_(out, 0, rows.contiguous(), w.codes, w.scales, w.mins, bits, group or k, bias)
-        return out
-
-    assert_rows_get_their_one_row_sums(sums, x)
+    sums = fp32_sums(kernels, random_quantized(n, k, bits, group or k, mins, seed=11), torch.randn(n))
+    assert_rows_get_their_one_row_sums(sums, torch.randn(most, k, generator=torch.Generator().manual_seed(5)).to(dtype))
 
 
 ROWS_SHAPES = [(17, 64, 16), (33, 576, 37), (100, 96, 130), (25, 1536, 64)]
