@@ -76,7 +76,7 @@ void run(const QuantWeight& w, int bits, Group group, const float* x, int64_t ro
   }
   // a step of few rows (a speculative verify pass) runs in blocks of the folded tiles' rows, which give each row its
   // 1-row sums to the bit; each block after the first reads the tile's codes from L1. Against blocks of 4 widened
-  // rows its matmuls take 1.05-1.2x the time at 4-7 rows (docs/benchmarks.md, issue 32)
+  // rows its 4-bit matmuls take about 1.2x the time at 6-7 rows, 1.4x at 4 (docs/benchmarks.md, issue 32)
   const int64_t row_block = rows < avx2::kWidenedMinRows ? avx2::kFoldRows : kRows;
   std::vector<float> x_q4;  // x as the 4-bit tile of few rows reads it (tile_q4), where a tile has few rows
   if (bits == 4 && (rows < avx2::kWidenedMinRows || rows % kRows != 0)) {

@@ -127,6 +127,17 @@ inline float mins_term(const QuantWeight& w, int64_t n, const float* x_group_sum
   return sum;
 }
 
+// Rows × Out sums one output at a time: `one_output(n, sums)` fills column 0 of sums for output n. For tiles of 3-4
+// rows, whose partial sums for two outputs at once do not fit 16 registers
+template <int Out, int Rows, typename OneOutput>
+inline void output_by_output(int64_t n0, float sums[kRows][kOut], OneOutput one_output) {
+  for (int j = 0; j < Out; ++j) {
+    float one[kRows][kOut];
+    one_output(n0 + j, one);
+    for (int r = 0; r < Rows; ++r) sums[r][j] = one[r][0];
+  }
+}
+
 // Rows × Out sums: rows of x (fp32, k contiguous) against outputs n0 .. n0 + Out; without the minimums' term for
 // Rows <= kFoldRows. One row, and each output of 4 rows, keeps two accumulators, so that its fmas are not one
 // serial chain.
@@ -136,11 +147,9 @@ void tile(const QuantWeight& w, int64_t n0, const float* x, int64_t k_total, flo
     // one output at a time, with two partial sums a row: with two outputs and one sum, GCC kept x's vectors for
     // both outputs and spilled the accumulators, a store and a load in every chain of 4 fmas (int8 at 4 rows:
     // 15.1 -> 11.5 ms for a step's matmuls on the AVX2 EPYC)
-    for (int j = 0; j < Out; ++j) {
-      float one[kRows][kOut];
-      tile<Bits, G, 1, Rows>(w, n0 + j, x, k_total, one);
-      for (int r = 0; r < Rows; ++r) sums[r][j] = one[r][0];
-    }
+    output_by_output<Out, Rows>(n0, sums, [&](int64_t n, float (*one)[kOut]) {
+      tile<Bits, G, 1, Rows>(w, n, x, k_total, one);
+    });
     return;
   }
   // a folded tile's groups of 16 keep their two halves' sums apart as one row does
@@ -209,11 +218,9 @@ inline void permute_x_q4(const float* x, int64_t rows, int64_t k, float* out) {
 template <int Out, int Rows>
 void tile_q4(const QuantWeight& w, int64_t n0, const float* xp, int64_t k_total, float sums[kRows][kOut]) {
   if constexpr (Rows > 2 && Out > 1) {  // two partial sums a row for 3 rows fit 16 registers for one output (4 spill)
-    for (int j = 0; j < Out; ++j) {
-      float one[kRows][kOut];
-      tile_q4<1, Rows>(w, n0 + j, xp, k_total, one);
-      for (int r = 0; r < Rows; ++r) sums[r][j] = one[r][0];
-    }
+    output_by_output<Out, Rows>(n0, sums, [&](int64_t n, float (*one)[kOut]) {
+      tile_q4<1, Rows>(w, n, xp, k_total, one);
+    });
     return;
   }
   constexpr int kPart = 2;  // partial sums a row and output: fewer serial fmas, and the same sums for 1-3 rows
@@ -240,8 +247,7 @@ void tile_q4(const QuantWeight& w, int64_t n0, const float* xp, int64_t k_total,
         }
       }
       for (int r = 0; r < Rows; ++r)
-        acc[r][j] = _mm256_fmadd_ps(kPart == 2 ? _mm256_add_ps(part[r][0], part[r][kPart - 1]) : part[r][0], scale,
-                                    acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_add_ps(part[r][0], part[r][1]), scale, acc[r][j]);
     }
   if (k64 < k_total)  // a last group of 32, in GGUF's order
     for (int j = 0; j < Out; ++j) {
