@@ -115,7 +115,8 @@ class ModelRunner:
         rows = prepared.sample_rows + prepared.verify_rows
         if not rows:
             return [], None, None
-        logits = self.model.compute_logits(hidden[rows])  # one LM-head call for sampled and verified rows
+        # one LM-head call for sampled and verified rows
+        logits = self.model.compute_logits(hidden[rows], exact=bool(prepared.verify_seqs))
         sampled = len(prepared.sample_rows)
         result = self.sampler(logits[:sampled], prepared.sample_seqs) if sampled else None
         verify = None

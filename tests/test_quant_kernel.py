@@ -207,7 +207,7 @@ def test_quant_linear_over_mixed_parts_matches_the_dequantized_layer(rows: int, 
                                atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [ROUNDED_MIN_ROWS - 1, ROUNDED_MIN_ROWS, 12, QUANT_KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("rows", [ROUNDED_MIN_ROWS - 1, ROUNDED_MIN_ROWS, QUANT_KERNEL_MAX_ROWS])
 def test_a_step_without_a_verify_pass_runs_scale_grouped_parts_as_a_prefill_does(rows: int) -> None:
     """From ROUNDED_MIN_ROWS rows a step that speculates nothing may round 4-bit (and other scale-grouped) weights to
     bf16 as a prefill does (linear_quant_rows_, faster there); a verify pass's rows keep the exact weights and each
@@ -237,6 +237,33 @@ def test_a_step_without_a_verify_pass_runs_scale_grouped_parts_as_a_prefill_does
         assert not torch.equal(four_bit, exact[:, :64])
     assert torch.equal(rounded[:, 64:], exact[:, 64:])  # int8, one scale a row
     torch.testing.assert_close(four_bit.float(), exact[:, :64].float(), rtol=2 ** -6, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [ROUNDED_MIN_ROWS - 1, ROUNDED_MIN_ROWS, QUANT_KERNEL_MAX_ROWS, 24])
+def test_a_quantized_lm_head_rounds_only_in_a_step_without_a_verify_pass(rows: int) -> None:
+    """The LM head (fp32 logits) follows its layers' rule: a step that speculates nothing may take its Q8_0 weight
+    rounded to bf16 from ROUNDED_MIN_ROWS rows (fp32 sums and fp32 logits still); a verify pass's rows, and more rows
+    than the kernel serves outside such a step (prompt logprobs), get the exact weights."""
+    kernels = kernels_for("avx512_bf16")
+    if linear_kernels(kernels) is None:
+        pytest.skip("AMX: the rows path is oneDNN's")
+    head = QuantLinear([random_quantized(80, 576, 8, 32, False, 3)], None, kernels, torch.bfloat16, fp32_out=True)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    exact = head(x)
+    reference = x.float() @ head.dequantized(torch.float32).t()
+    torch.testing.assert_close(exact, reference, rtol=1e-5, atol=1e-4)
+    with rounding_allowed(True):
+        rounded = head(x)
+    assert rounded.dtype == torch.float32
+    if rows < ROUNDED_MIN_ROWS:
+        assert torch.equal(rounded, exact)
+    else:
+        col0, codes, scales, mins, bits, group, bias = head.part_args[0]
+        by_kernel = torch.empty(rows, 80)
+        kernels.linear_quant_rows_(by_kernel, 0, x, codes, scales, mins, bits, group, bias)
+        assert torch.equal(rounded, by_kernel) and not torch.equal(rounded, exact)
+        torch.testing.assert_close(rounded, x.float() @ head.dequantized(torch.bfloat16).float().t(), rtol=1e-5,
+                                   atol=1e-4)
 
 
 def test_int8_quantizer_rounds_each_weight_to_its_channel_step() -> None:

@@ -45,8 +45,8 @@ def teacher_forced(engine: LLMEngine, ids: list[int], adapter: str | None = None
     rows: list[torch.Tensor] = []
     compute = engine.model.compute_logits
 
-    def recording(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute(hidden)
+    def recording(hidden: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        logits = compute(hidden, exact)
         rows.append(logits.clone())
         return logits
 

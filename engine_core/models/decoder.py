@@ -113,9 +113,11 @@ class DecoderModel:
         return x
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, exact: bool = True) -> torch.Tensor:
         """In fp32 in every dtype: the LM head keeps its fp32 sums (bf16 would round logits near 16 to multiples
-        of 0.125, and greedy decoding would choose between false ties)."""
-        logits = self.lm_head(hidden)
+        of 0.125, and greedy decoding would choose between false ties). `exact` as for `forward`: a step without a
+        verify pass may round a quantized head's weights to bf16 from ROUNDED_MIN_ROWS rows, as its layers do."""
+        with rounding_allowed(not exact):
+            logits = self.lm_head(hidden)
         cap = self.args.final_logit_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap

@@ -103,11 +103,12 @@ QUANT_KERNEL_MAX_ROWS = 16
 # at 128 rows 192 against 199, at 256 rows 396 against 356 (AVX2 EPYC, 2026-12-06). fp32 activations only.
 AVX2_FP32_QUANT_KERNEL_MAX_ROWS = 128
 # From this many rows a step that holds no speculative verify pass runs its scale-grouped quantized matmuls (4-bit,
-# Q8_0-like; QuantLinear and the compiled decoder stack's StackProjection alike) as a prefill does, the weights
-# rounded to bf16 a block at a time (linear_quant_rows_): all of a layer's projections at 8 / 12 / 16 rows took
-# 4.41 / 4.27 / 4.98 ms against the exact kernel's 4.94 / 6.50 / 8.18 (Q4_1, Zen 4, docs/benchmarks.md). A verify
-# pass keeps the exact kernel (a row's sums as a 1-row step's).
-ROUNDED_MIN_ROWS = 8
+# Q8_0-like; QuantLinear, the compiled decoder stack's StackProjection and the LM head alike) as a prefill does, the
+# weights rounded to bf16 a block at a time (linear_quant_rows_). The embedded Q4_1 model's forward at 8 / 10 / 12 /
+# 14 / 16 rows: 15.95 / 18.25 / 19.31 / 18.98 / 21.87 ms so against 14.22 / 17.77 / 20.17 / 20.89 / 25.71 exact; its
+# Q8_0 LM head 3.85 / 4.18 / 4.25 / 4.65 / 4.96 against 4.03 / 4.53 / 5.14 / 5.70 / 6.34 (Zen 4, 2026-12-07, after
+# the exact 4-bit tiles got faster from 5 rows). A verify pass keeps the exact kernel (a row's sums as a 1-row step's).
+ROUNDED_MIN_ROWS = 12
 _may_round = False  # set for a step by `rounding_allowed`
 
 
@@ -148,9 +149,10 @@ class QuantLinear:
                           for p, col0 in zip(self.parts, self.columns)]
         self.kernel = getattr(kernels, "linear_quant_", None)
         # more rows than the kernel serves: without AMX, linear_bf16's tiles over the weight dequantized a block at a
-        # time (oneDNN would pack a dequantized weight again in every call); with AMX, its bf16 GEMM. Not the LM head,
-        # whose fp32 logits take the exact fp32 GEMM.
-        self.rows_kernel = None if fp32_out else getattr(linear_kernels(kernels), "linear_quant_rows_", None)
+        # time (oneDNN would pack a dequantized weight again in every call); with AMX, its bf16 GEMM. The LM head's
+        # fp32 logits take it only where a step may round (its prompt logprobs take the exact fp32 GEMM).
+        self.rows_kernel = getattr(linear_kernels(kernels), "linear_quant_rows_", None)
+        self.fp32_out = fp32_out
         self.dequantize_kernel = getattr(kernels, "dequantize_quant", None)
         avx2 = getattr(kernels, "compiled_isa", str)() == "avx2"
         self.fp32_max_rows = AVX2_FP32_QUANT_KERNEL_MAX_ROWS if avx2 else QUANT_KERNEL_MAX_ROWS
@@ -181,7 +183,8 @@ class QuantLinear:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         kernel, rounded = self.kernel, None  # rounded: the kernel for the parts with scale groups
         rows = x.shape[0]
-        if rows > QUANT_KERNEL_MAX_ROWS and self.rows_kernel is not None and x.dtype == torch.bfloat16:
+        if (rows > QUANT_KERNEL_MAX_ROWS and self.rows_kernel is not None and x.dtype == torch.bfloat16
+                and (_may_round or not self.fp32_out)):
             kernel = self.rows_kernel
         elif _may_round and rows >= ROUNDED_MIN_ROWS and self.rows_kernel is not None and x.dtype == torch.bfloat16:
             rounded = self.rows_kernel  # the compiled decoder stack's rule (StackProjection), to the bit
