@@ -12,6 +12,7 @@ import torch
 from engine_core import EngineConfig, LLMEngine, SamplingParams
 from engine_core.cpu.kernels import cpu_kernels
 from engine_core.models.layers.decoder_stack import stack_serves
+from engine_core.models.layers.linear import ROUNDED_MIN_ROWS
 from tests.engine_helpers import random_prompts, run_staggered
 from tests.family_models import build_family_model
 
@@ -43,7 +44,7 @@ def test_the_compiled_stack_gives_the_python_layers_hidden_states_to_the_bit(
         name: str, quantization: str, dtype: str, smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every step of a staggered greedy run is computed both ways (the step's keys and values go to the same
     slots twice, with the same values): prefills of 9-41 tokens (longer than the tiny models' window of 24) on
-    the Python layers, then decodes of up to four rows and a mixed step with a 7-token prefill on the stack."""
+    the Python layers, then decodes of up to four rows and a mixed step with a 13-token prefill on the stack."""
     if dtype == "bfloat16" and not HAS_BF16_KERNELS:
         pytest.skip("the bf16 layer kernels are in AVX-512 BF16 builds only")
     engine = _engine(_model_dir(name, smollm_dir, tmp_path_factory), quantization, dtype)
@@ -65,11 +66,12 @@ def test_the_compiled_stack_gives_the_python_layers_hidden_states_to_the_bit(
         return compiled
 
     model.forward = both_ways  # type: ignore[method-assign]
-    prompts = random_prompts(4, [9, 30, 41, 7], 49152, seed=5)
+    prompts = random_prompts(4, [9, 30, 41, 13], 49152, seed=5)
     params = [SamplingParams(max_new_tokens=12, ignore_eos=True) for _ in prompts]
     outputs = run_staggered(engine, prompts, params, arrive_at_step=[0, 0, 0, 4])
     assert all(len(out) == 12 for out in outputs)
-    assert max(on_stack) == 3 + 7 and on_stack.count(4) >= 5, on_stack  # the mixed step, and four-row decodes
+    # the mixed step (16 rows: from ROUNDED_MIN_ROWS a step without drafts rounds), and four-row decodes
+    assert max(on_stack) == 3 + 13 >= ROUNDED_MIN_ROWS and on_stack.count(4) >= 5, on_stack
 
 
 @pytest.mark.parametrize("name", ["gemma3", "phi3", "qwen3_moe"])

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from engine_core.cpu.features import CpuFeatures, cpu_features
-from engine_core.models.layers.linear import Linear, pack_blocks
+from engine_core.models.layers.linear import (
+    QUANT_KERNEL_MAX_ROWS,
+    ROUNDED_MIN_ROWS,
+    Linear,
+    pack_blocks,
+    rounding_allowed,
+)
 from tests.kernel_helpers import assert_rows_get_their_one_row_sums, kernels_for
 
 
@@ -56,6 +62,30 @@ def test_a_row_gets_the_same_sums_in_every_decode_sized_step(kernels) -> None:  
     packed = pack_blocks((torch.randn(600, 576) * 0.05).bfloat16())
     assert_rows_get_their_one_row_sums(lambda rows: kernels.linear_bf16(rows, packed, 600, None, True),
                                        torch.randn(16, 576).bfloat16())
+
+
+@pytest.mark.parametrize("rows", [ROUNDED_MIN_ROWS - 1, ROUNDED_MIN_ROWS, 13, QUANT_KERNEL_MAX_ROWS])
+def test_a_step_without_a_verify_pass_takes_the_prefill_tiles_from_rounded_min_rows(kernels, rows: int) -> None:  # type: ignore[no-untyped-def]
+    """A step that speculates nothing may run its 12-16-row bf16 matmuls on the prefill's tiles (two column blocks a
+    broadcast, one sum a row: faster); its rows' sums then differ from the 1-row sums in the last bits, and a verify
+    pass's rows keep them. The layer and the LM head (fp32 logits) follow one rule."""
+    if cpu_features().amx_bf16:
+        pytest.skip("with AMX this kernel runs steps of 2 rows and more on the AMX tiles")
+    torch.manual_seed(rows)
+    weight = (torch.randn(600, 576) * 0.05).bfloat16()
+    x = torch.randn(rows, 576).bfloat16()
+    for fp32_out in (False, True):
+        layer = Linear(weight, None, kernels, fp32_out=fp32_out)
+        exact = layer(x)
+        with rounding_allowed(True):
+            batched = layer(x)
+        assert batched.dtype == exact.dtype
+        if rows < ROUNDED_MIN_ROWS:
+            assert torch.equal(batched, exact)
+        else:
+            assert torch.equal(batched, kernels.linear_bf16(x, layer.blocks, 600, None, fp32_out, True))
+            assert not torch.equal(batched, exact)
+        torch.testing.assert_close(batched.float(), reference(x, weight, None), rtol=2 ** -8, atol=1e-3)
 
 
 def test_linear_bf16_reads_rows_with_a_stride_and_refuses_mismatched_shapes(kernels) -> None:  # type: ignore[no-untyped-def]

@@ -29,7 +29,7 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                          c10::optional<torch::Tensor> bias, bool out_fp32);
+                          c10::optional<torch::Tensor> bias, bool out_fp32, bool batch_tiles);
 #endif
 
 // The widest vector path this build was compiled for; Python refuses a build its CPU cannot run.
@@ -110,6 +110,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias"), release());
   m.def("linear_bf16", &linear_bf16, "x · Wᵀ (+ bias) over a weight packed in blocks of 16 columns (bf16 in, bf16 or "
         "fp32 out)", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias"),
-        pybind11::arg("out_fp32") = false, release());
+        pybind11::arg("out_fp32") = false, pybind11::arg("batch_tiles") = false, release());
 #endif
 }

@@ -30,14 +30,14 @@ void rotary_(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin)
 at::Tensor silu_and_mul(at::Tensor gate_up);
 at::Tensor gelu_tanh_and_mul(at::Tensor gate_up);
 at::Tensor linear_bf16(at::Tensor x, at::Tensor packed, int64_t out_features, c10::optional<at::Tensor> bias,
-                       bool out_fp32);
+                       bool out_fp32, bool batch_tiles);
 #else  // the bf16 kernels exist in AVX-512 BF16 builds only, and Python builds a bf16 stack only where they do
 [[noreturn]] static void no_bf16() { TORCH_CHECK(false, "this kernel build has no bf16 layer kernels"); }
 static at::Tensor rms_norm(at::Tensor, c10::optional<at::Tensor>, at::Tensor, double) { no_bf16(); }
 static void rotary_(at::Tensor, at::Tensor, at::Tensor, at::Tensor) { no_bf16(); }
 static at::Tensor silu_and_mul(at::Tensor) { no_bf16(); }
 static at::Tensor gelu_tanh_and_mul(at::Tensor) { no_bf16(); }
-static at::Tensor linear_bf16(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>, bool) { no_bf16(); }
+static at::Tensor linear_bf16(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>, bool, bool) { no_bf16(); }
 #endif
 
 void StackProjection::set_dense(at::Tensor weight, c10::optional<at::Tensor> bias) {
@@ -62,9 +62,9 @@ void StackProjection::add_quant_part(int64_t col0, at::Tensor codes, at::Tensor 
 
 at::Tensor StackProjection::operator()(const at::Tensor& x, bool may_round) const {
   if (weight_.defined()) return at::linear(x, weight_, bias_);  // what F.linear runs
-  if (packed_.defined()) return linear_bf16(x, packed_, out_features_, bias_, false);
-  auto out = at::empty({x.size(0), out_features_}, x.options());  // QuantLinear's: the model's dtype
   const bool round = may_round && rounded_min_rows_ > 0 && x.size(0) >= rounded_min_rows_;
+  if (packed_.defined()) return linear_bf16(x, packed_, out_features_, bias_, false, round);
+  auto out = at::empty({x.size(0), out_features_}, x.options());  // QuantLinear's: the model's dtype
   for (const QuantPart& p : parts_) {
     // one scale a row (int8): its exact kernel is as fast as the rounded one, and stays
     const auto matmul = round && p.group != x.size(1) ? linear_quant_rows_ : linear_quant_;

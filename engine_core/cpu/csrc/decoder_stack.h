@@ -22,8 +22,9 @@ class StackProjection {
   void add_quant_part(int64_t col0, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins, int64_t bits,
                       int64_t group, c10::optional<at::Tensor> bias);
   // From this many rows (0: never), a step that may round (no verify pass in it) runs the parts with scale groups
-  // on linear_quant_rows_, the weights rounded to bf16 a block at a time as a prefill's are: 1.5-1.6x faster at 12-16
-  // rows for 4-bit codes. A verify pass keeps the exact kernel, whose rows get their 1-row sums to the bit.
+  // on linear_quant_rows_, the weights rounded to bf16 a block at a time as a prefill's are (faster from 12 rows
+  // for 4-bit codes), and a packed bf16 weight on linear_bf16's prefill tiles. A verify pass keeps the exact
+  // kernels, whose rows get their 1-row sums to the bit.
   void set_rounded_min_rows(int64_t rows) { rounded_min_rows_ = rows; }
   at::Tensor operator()(const at::Tensor& x, bool may_round) const;
 

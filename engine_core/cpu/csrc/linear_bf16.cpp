@@ -32,11 +32,11 @@ using namespace bf16_tiles;
 
 template <typename T>
 void run(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16_t* wp, int64_t blocks, int64_t k2s,
-         T* yp, int64_t out_features, const float* bp) {
+         T* yp, int64_t out_features, const float* bp, bool batch_tiles) {
   // more than one row: the AMX tiles, where this CPU has them (linear_bf16_amx.cpp)
   if (rows >= kAmxRows && linear_bf16_amx(xp, x_stride, rows, wp, blocks, k2s, yp, out_features, bp)) return;
   const int64_t block_elems = k2s * 32;
-  if (rows <= 2 * kRows) {  // decode: every block once, all rows against it
+  if (rows <= 2 * kRows && !batch_tiles) {  // decode: every block once, all rows against it
     at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
       for (int64_t nb = b0; nb < b1; ++nb)
         for (int64_t r = 0; r < rows; r += kRows)
@@ -65,9 +65,11 @@ void run(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16_t* wp,
 }  // namespace
 
 // x [M, K] bf16 (rows contiguous), packed [ceil(N/16), K/2, 16, 2] bf16, bias [N] or none → y [M, N] bf16, or
-// fp32 with out_fp32 (the LM head: logits keep the fp32 sums).
+// fp32 with out_fp32 (the LM head: logits keep the fp32 sums). batch_tiles: a step of up to 16 rows whose rows need
+// not get their 1-row sums (no verify pass in it) runs the prefill's tiles, two blocks a broadcast and one sum a
+// row: 12-16 rows of a step's weights in about 0.7x the time (docs/benchmarks.md).
 at::Tensor linear_bf16(at::Tensor x, at::Tensor packed, int64_t out_features,
-                          c10::optional<at::Tensor> bias, bool out_fp32) {
+                          c10::optional<at::Tensor> bias, bool out_fp32, bool batch_tiles) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: [M, K] bf16, rows contiguous");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == 2,
@@ -87,10 +89,10 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor packed, int64_t out_features,
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* bp = bias ? bias_f32.data_ptr<float>() : nullptr;
   if (out_fp32)
-    run(xp, x.stride(0), rows, wp, blocks, k2s, y.data_ptr<float>(), out_features, bp);
+    run(xp, x.stride(0), rows, wp, blocks, k2s, y.data_ptr<float>(), out_features, bp, batch_tiles);
   else
     run(xp, x.stride(0), rows, wp, blocks, k2s, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
-        out_features, bp);
+        out_features, bp, batch_tiles);
   return y;
 }
 #endif

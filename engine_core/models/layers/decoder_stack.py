@@ -37,6 +37,7 @@ def _projection(kernels: ModuleType, layer: Linear | QuantLinear, dtype: torch.d
         return None
     if dtype == torch.bfloat16 and layer.path == "linear_bf16":
         projection.set_packed(layer.blocks, layer.bias)
+        projection.set_rounded_min_rows(ROUNDED_MIN_ROWS)  # Linear's rule for its prefill tiles, to the bit
         return projection
     if dtype != torch.float32 or layer.path != "torch" or layer.weight is None or layer.weight.dtype != dtype:
         return None

@@ -85,7 +85,9 @@ class Linear:
             rows = x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            out = self.kernel(rows, self.blocks, self.out_features, self.bias, self.fp32_out)
+            # a step without a verify pass: 12-16 rows on the prefill's tiles (one sum a row, not the 1-row sums)
+            batch_tiles = _may_round and rows.shape[0] >= ROUNDED_MIN_ROWS
+            out = self.kernel(rows, self.blocks, self.out_features, self.bias, self.fp32_out, batch_tiles)
             return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -114,7 +116,8 @@ _may_round = False  # set for a step by `rounding_allowed`
 
 @contextmanager
 def rounding_allowed(allowed: bool) -> Iterator[None]:
-    """The step being computed holds no verify pass: its quantized matmuls of ROUNDED_MIN_ROWS-16 rows may round.
+    """The step being computed holds no verify pass: its quantized matmuls of ROUNDED_MIN_ROWS-16 rows may round,
+    and its bf16 ones take the prefill's tiles (a row's sums then are not a 1-row step's to the bit).
     One step runs at a time in an engine (as vLLM's forward context, it is the step's, not a layer's, setting)."""
     global _may_round
     previous, _may_round = _may_round, allowed
