@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine_core.cpu.kernels import build_for_isa
+from engine_core.models.layers.linear import ROUNDED_MIN_ROWS, rounding_allowed
 
 ISAS = ["avx512_bf16", "avx2"]
 
@@ -27,3 +28,18 @@ def assert_rows_get_their_one_row_sums(step: Callable[[torch.Tensor], torch.Tens
     alone = torch.cat([step(x[i:i + 1]) for i in range(x.shape[0])])
     for rows in range(2, x.shape[0] + 1):
         assert torch.equal(step(x[:rows]), alone[:rows]), f"a step of {rows} rows"
+
+
+def assert_only_a_batch_step_takes(batch_kernel: Callable[[], torch.Tensor],
+                                   layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` in a step without a verify pass: what it computes alone below ROUNDED_MIN_ROWS rows, from there
+    `batch_kernel()`'s output, which differs from the exact one. Returns that step's output."""
+    exact = layer(x)
+    with rounding_allowed(True):
+        batched = layer(x)
+    assert batched.dtype == exact.dtype
+    if x.shape[0] < ROUNDED_MIN_ROWS:
+        assert torch.equal(batched, exact)
+    else:
+        assert torch.equal(batched, batch_kernel()) and not torch.equal(batched, exact)
+    return batched

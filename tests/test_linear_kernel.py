@@ -10,14 +10,8 @@ import pytest
 import torch
 
 from engine_core.cpu.features import CpuFeatures, cpu_features
-from engine_core.models.layers.linear import (
-    QUANT_KERNEL_MAX_ROWS,
-    ROUNDED_MIN_ROWS,
-    Linear,
-    pack_blocks,
-    rounding_allowed,
-)
-from tests.kernel_helpers import assert_rows_get_their_one_row_sums, kernels_for
+from engine_core.models.layers.linear import QUANT_KERNEL_MAX_ROWS, ROUNDED_MIN_ROWS, Linear, pack_blocks
+from tests.kernel_helpers import assert_only_a_batch_step_takes, assert_rows_get_their_one_row_sums, kernels_for
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +70,8 @@ def test_a_step_without_a_verify_pass_takes_the_prefill_tiles_from_rounded_min_r
     x = torch.randn(rows, 576).bfloat16()
     for fp32_out in (False, True):
         layer = Linear(weight, None, kernels, fp32_out=fp32_out)
-        exact = layer(x)
-        with rounding_allowed(True):
-            batched = layer(x)
-        assert batched.dtype == exact.dtype
-        if rows < ROUNDED_MIN_ROWS:
-            assert torch.equal(batched, exact)
-        else:
-            assert torch.equal(batched, kernels.linear_bf16(x, layer.blocks, 600, None, fp32_out, True))
-            assert not torch.equal(batched, exact)
+        batched = assert_only_a_batch_step_takes(
+            lambda: kernels.linear_bf16(x, layer.blocks, 600, None, fp32_out, True), layer, x)  # noqa: B023
         torch.testing.assert_close(batched.float(), reference(x, weight, None), rtol=2 ** -8, atol=1e-3)
 
 
