@@ -67,7 +67,7 @@ void run(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16_t* wp,
 // x [M, K] bf16 (rows contiguous), packed [ceil(N/16), K/2, 16, 2] bf16, bias [N] or none → y [M, N] bf16, or
 // fp32 with out_fp32 (the LM head: logits keep the fp32 sums). batch_tiles: a step of up to 16 rows whose rows need
 // not get their 1-row sums (no verify pass in it) runs the prefill's tiles, two blocks a broadcast and one sum a
-// row: 12-16 rows of a step's weights in about 0.7x the time (docs/benchmarks.md).
+// row: 8-16 rows of a step's weights in 0.82-0.87x the time (docs/benchmarks.md).
 at::Tensor linear_bf16(at::Tensor x, at::Tensor packed, int64_t out_features,
                           c10::optional<at::Tensor> bias, bool out_fp32, bool batch_tiles) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: [M, K] bf16, rows contiguous");

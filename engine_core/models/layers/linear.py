@@ -85,9 +85,8 @@ class Linear:
             rows = x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            # a step without a verify pass: 12-16 rows on the prefill's tiles (one sum a row, not the 1-row sums)
-            batch_tiles = _may_round and rows.shape[0] >= ROUNDED_MIN_ROWS
-            out = self.kernel(rows, self.blocks, self.out_features, self.bias, self.fp32_out, batch_tiles)
+            out = self.kernel(rows, self.blocks, self.out_features, self.bias, self.fp32_out,
+                              batch_rows(rows.shape[0]))
             return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -104,12 +103,13 @@ QUANT_KERNEL_MAX_ROWS = 16
 # dequantize + fp32 GEMM up to ~128 rows: all of a Q4_1 step's layer matmuls at 64 rows took 94 against 123 ms,
 # at 128 rows 192 against 199, at 256 rows 396 against 356 (AVX2 EPYC, 2026-12-06). fp32 activations only.
 AVX2_FP32_QUANT_KERNEL_MAX_ROWS = 128
-# From this many rows a step that holds no speculative verify pass runs its scale-grouped quantized matmuls (4-bit,
-# Q8_0-like; QuantLinear, the compiled decoder stack's StackProjection and the LM head alike) as a prefill does, the
-# weights rounded to bf16 a block at a time (linear_quant_rows_). The embedded Q4_1 model's forward at 8 / 10 / 12 /
-# 14 / 16 rows: 15.95 / 18.25 / 19.31 / 18.98 / 21.87 ms so against 14.22 / 17.77 / 20.17 / 20.89 / 25.71 exact; its
-# Q8_0 LM head 3.85 / 4.18 / 4.25 / 4.65 / 4.96 against 4.03 / 4.53 / 5.14 / 5.70 / 6.34 (Zen 4, 2026-12-07, after
-# the exact 4-bit tiles got faster from 5 rows). A verify pass keeps the exact kernel (a row's sums as a 1-row step's).
+# From this many rows a step that holds no speculative verify pass runs its matmuls as a prefill does (QuantLinear,
+# Linear, the compiled decoder stack's StackProjection and the LM head alike): scale-grouped quantized weights (4-bit,
+# Q8_0-like) rounded to bf16 a block at a time (linear_quant_rows_), packed bf16 weights on linear_bf16's prefill
+# tiles. The embedded Q4_1 model's forward at 8 / 10 / 12 / 14 / 16 rows: 15.95 / 18.25 / 19.31 / 18.98 / 21.87 ms
+# rounded against 14.22 / 17.77 / 20.17 / 20.89 / 25.71 exact; its Q8_0 LM head 3.85 / 4.18 / 4.25 / 4.65 / 4.96
+# against 4.03 / 4.53 / 5.14 / 5.70 / 6.34 (Zen 4, 2026-12-07, after the exact 4-bit tiles got faster from 5 rows).
+# A verify pass keeps the exact kernels (a row's sums as a 1-row step's).
 ROUNDED_MIN_ROWS = 12
 _may_round = False  # set for a step by `rounding_allowed`
 
@@ -125,6 +125,11 @@ def rounding_allowed(allowed: bool) -> Iterator[None]:
         yield
     finally:
         _may_round = previous
+
+
+def batch_rows(rows: int) -> bool:
+    """Whether a matmul of `rows` rows in the step being computed may run as a prefill's (rounding_allowed)."""
+    return _may_round and rows >= ROUNDED_MIN_ROWS
 
 
 class QuantLinear:
@@ -189,7 +194,7 @@ class QuantLinear:
         if (rows > QUANT_KERNEL_MAX_ROWS and self.rows_kernel is not None and x.dtype == torch.bfloat16
                 and (_may_round or not self.fp32_out)):
             kernel = self.rows_kernel
-        elif _may_round and rows >= ROUNDED_MIN_ROWS and self.rows_kernel is not None and x.dtype == torch.bfloat16:
+        elif batch_rows(rows) and self.rows_kernel is not None and x.dtype == torch.bfloat16:
             rounded = self.rows_kernel  # the compiled decoder stack's rule (StackProjection), to the bit
         elif kernel is None or rows > (self.fp32_max_rows if x.dtype == torch.float32 else QUANT_KERNEL_MAX_ROWS):
             dtype = self.gemm_dtype
